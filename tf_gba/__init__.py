@@ -1,0 +1,19 @@
+"""tf_gba: Global Batch gradients Aggregation for TensorFlow 2 parameter-server training.
+
+Switch a recommendation model between synchronous and asynchronous training without retuning:
+`tf_gba.optimizers.GBA` wraps a tf_keras optimizer, `tf_gba.distribute.GBAStrategy` runs it on
+parameter servers.
+"""
+
+import os
+
+# tf_gba is built on Keras 2 (tf_keras): Keras 3, TF 2.21's default tf.keras, has no
+# ParameterServerStrategy support and tensorflow-recommenders refuses it. This must be set before
+# anything touches `tf.keras`.
+if os.environ.get("TF_USE_LEGACY_KERAS", "1") != "1":
+  raise ImportError(
+      "tf_gba needs Keras 2 (tf_keras) but TF_USE_LEGACY_KERAS is set to "
+      f"{os.environ['TF_USE_LEGACY_KERAS']!r}. Unset it or set TF_USE_LEGACY_KERAS=1.")
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+
+__version__ = "0.1.0"

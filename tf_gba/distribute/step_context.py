@@ -1,0 +1,41 @@
+"""What a training step knows about itself: the token fetched when it started, and pre-step reads.
+
+`GBAStrategy.run` fetches a token (and runs any registered pre-step readers, e.g. AdaptiveRevision's
+gradient-sum snapshot) *before* the step function builds its forward pass, and publishes them here
+for the duration of the trace. Optimizers read them in `apply_gradients`. Outside a GBAStrategy step
+`current()` is None and optimizers fall back to their own local behaviour.
+"""
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Dict, Optional
+
+import tensorflow as tf
+
+
+@dataclasses.dataclass
+class StepInfo:
+  token: tf.Tensor            # int64 scalar: floor(i / M) for the i-th fetch
+  ticket: tf.Tensor           # int64 scalar: i itself, unique per step; pushes are deduped by it
+  reads: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_local = threading.local()
+
+
+def current() -> Optional[StepInfo]:
+  stack = getattr(_local, "stack", None)
+  return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def scope(info: StepInfo):
+  stack = getattr(_local, "stack", None)
+  if stack is None:
+    stack = _local.stack = []
+  stack.append(info)
+  try:
+    yield info
+  finally:
+    stack.pop()
