@@ -38,6 +38,7 @@ class BuildTfOps(build_ext):
   """Compiles each op library with g++ and TensorFlow's own flags, in parallel."""
 
   def build_extensions(self):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     self._cflags = tf.sysconfig.get_compile_flags()
     self._lflags = tf.sysconfig.get_link_flags()
@@ -60,7 +61,7 @@ class BuildTfOps(build_ext):
     if os.path.exists(obj) and os.path.getmtime(obj) >= max(
         [os.path.getmtime(src)] + [os.path.getmtime(h) for h in self._headers()]):
       return obj
-    self._run([self._cxx, "-c", "-fPIC", "-O3", "-DNDEBUG", "-Wno-sign-compare",
+    self._run([self._cxx, "-c", "-fPIC", "-O3", "-DNDEBUG", "-Wno-sign-compare", "-Wno-deprecated-declarations", "-Wno-interference-size",
                "-I", ROOT, *self._cflags, src, "-o", obj])
     return obj
 

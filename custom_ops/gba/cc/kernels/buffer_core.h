@@ -1,0 +1,234 @@
+// State and rules shared by the dense and the sparse GBA gradient buffers: the global step, the
+// number of entries in the current global batch, the staleness decay, push de-duplication and the
+// statistics read from Python. Everything here is guarded by the owning buffer's mutex.
+#ifndef TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_BUFFER_CORE_H_
+#define TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_BUFFER_CORE_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "tensorflow/core/framework/op_kernel.h"
+
+namespace tf_gba {
+
+using ::tensorflow::Status;
+
+// Staleness decay f(s) of SPEC section 1 (Eq. 1) and its exponential variant.
+struct DecayRule {
+  enum Kind { kThreshold, kExponential };
+  Kind kind = kThreshold;
+  int64_t iota = 3;     // staleness threshold
+  double alpha = 0.5;   // base of the exponential decay
+
+  double Weight(int64_t staleness) const {
+    if (staleness <= iota) return 1.0;
+    if (kind == kThreshold) return 0.0;
+    return std::pow(alpha, static_cast<double>(staleness - iota));
+  }
+};
+
+// How an aggregate is normalised (SPEC: divide by M, "also when some f = 0").
+enum class Normalize { kNumAggregate, kKept };
+
+struct BufferConfig {
+  int64_t num_aggregate = 1;          // M
+  DecayRule decay;
+  Normalize normalize = Normalize::kNumAggregate;
+  // Whether a gradient whose weight is 0 (too stale, or non-finite and dropped) still fills one of
+  // the M places of the global batch. GBA: yes (the token was spent). Backup workers: no.
+  bool count_dropped = true;
+  bool error_on_nonfinite = false;    // else: drop the push (weight 0) and count it
+  int64_t histogram_bins = 16;
+  int64_t dedupe_window = 1 << 16;    // how many recent tickets are remembered
+};
+
+// Reads the attributes every buffer-creating op has. Shared by the dense and sparse create ops.
+inline Status ParseBufferConfig(::tensorflow::OpKernelConstruction* ctx, BufferConfig* config) {
+  std::string decay, normalize, nonfinite;
+  float alpha;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("num_aggregate", &config->num_aggregate));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("staleness_threshold", &config->decay.iota));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("decay", &decay));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("decay_alpha", &alpha));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("normalize", &normalize));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("count_dropped", &config->count_dropped));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("nonfinite", &nonfinite));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("histogram_bins", &config->histogram_bins));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("dedupe_window", &config->dedupe_window));
+  if (config->num_aggregate < 1) {
+    return ::tensorflow::errors::InvalidArgument(
+        "num_aggregate (M, the number of gradients per global batch) must be >= 1, got ",
+        config->num_aggregate, ". Use M = global_batch_size / local_batch_size.");
+  }
+  if (config->decay.iota < 0) {
+    return ::tensorflow::errors::InvalidArgument(
+        "staleness_threshold must be >= 0, got ", config->decay.iota, ".");
+  }
+  if (decay == "threshold") {
+    config->decay.kind = DecayRule::kThreshold;
+  } else if (decay == "exponential") {
+    config->decay.kind = DecayRule::kExponential;
+  } else {
+    return ::tensorflow::errors::InvalidArgument(
+        "decay must be 'threshold' or 'exponential', got '", decay, "'.");
+  }
+  if (!(alpha > 0.0f && alpha <= 1.0f)) {
+    return ::tensorflow::errors::InvalidArgument(
+        "decay_alpha must be in (0, 1], got ", alpha, ".");
+  }
+  config->decay.alpha = alpha;
+  if (normalize == "num_aggregate") {
+    config->normalize = Normalize::kNumAggregate;
+  } else if (normalize == "kept") {
+    config->normalize = Normalize::kKept;
+  } else {
+    return ::tensorflow::errors::InvalidArgument(
+        "normalize must be 'num_aggregate' or 'kept', got '", normalize, "'.");
+  }
+  if (nonfinite == "drop") {
+    config->error_on_nonfinite = false;
+  } else if (nonfinite == "error") {
+    config->error_on_nonfinite = true;
+  } else {
+    return ::tensorflow::errors::InvalidArgument(
+        "nonfinite must be 'drop' or 'error', got '", nonfinite, "'.");
+  }
+  if (config->histogram_bins < 1) {
+    return ::tensorflow::errors::InvalidArgument("histogram_bins must be >= 1.");
+  }
+  if (config->dedupe_window < 0) {
+    return ::tensorflow::errors::InvalidArgument("dedupe_window must be >= 0.");
+  }
+  return ::tensorflow::OkStatus();
+}
+
+struct BufferStats {
+  int64_t pushes = 0;          // accepted pushes (not counting duplicates)
+  int64_t aggregations = 0;
+  int64_t dropped = 0;         // dense: gradients with weight 0; sparse: (push, id) pairs
+  int64_t duplicates = 0;      // pushes ignored because their ticket was seen before
+  int64_t nonfinite = 0;       // pushes that held NaN or Inf
+  int64_t staleness_sum = 0;   // over accepted pushes (dense) or (push, id) pairs (sparse)
+  int64_t staleness_max = 0;
+  std::vector<int64_t> histogram;
+};
+
+class BufferCore {
+ public:
+  explicit BufferCore(const BufferConfig& config, int64_t initial_step)
+      : config_(config), step_(initial_step) {
+    stats_.histogram.assign(config.histogram_bins, 0);
+  }
+
+  const BufferConfig& config() const { return config_; }
+  int64_t step() const { return step_; }
+  int64_t entries() const { return entries_; }
+  BufferStats& stats() { return stats_; }
+
+  // Returns false (and counts it) when `ticket` was pushed before. Tickets < 0 are never deduped.
+  bool AcceptTicket(int64_t ticket) {
+    if (ticket < 0 || config_.dedupe_window == 0) return true;
+    if (seen_.count(ticket)) {
+      ++stats_.duplicates;
+      return false;
+    }
+    seen_.insert(ticket);
+    order_.push_back(ticket);
+    while (static_cast<int64_t>(order_.size()) > config_.dedupe_window) {
+      seen_.erase(order_.front());
+      order_.pop_front();
+    }
+    return true;
+  }
+
+  void RecordStaleness(int64_t staleness) {
+    const int64_t s = std::max<int64_t>(0, staleness);
+    stats_.staleness_sum += s;
+    stats_.staleness_max = std::max(stats_.staleness_max, s);
+    ++stats_.histogram[std::min<int64_t>(s, config_.histogram_bins - 1)];
+  }
+
+  // Counts one entry towards the global batch; returns true when it completes the batch.
+  bool AddEntry(bool counts) {
+    ++stats_.pushes;
+    if (counts) ++entries_;
+    return entries_ >= config_.num_aggregate;
+  }
+
+  void FinishAggregation() {
+    entries_ = 0;
+    ++step_;
+    ++stats_.aggregations;
+  }
+
+  // Restoring a checkpoint: pending entries belong to gradients whose tokens are gone.
+  void Reset(int64_t step) {
+    step_ = step;
+    entries_ = 0;
+    seen_.clear();
+    order_.clear();
+  }
+
+ private:
+  const BufferConfig config_;
+  int64_t step_ = 0;
+  int64_t entries_ = 0;
+  BufferStats stats_;
+  std::unordered_set<int64_t> seen_;
+  std::deque<int64_t> order_;
+};
+
+// Accumulation type: half and bfloat16 gradients are summed in float so that M of them do not
+// lose the low bits.
+template <typename T>
+struct AccumulatorType {
+  using type = T;
+};
+template <>
+struct AccumulatorType<Eigen::half> {
+  using type = float;
+};
+template <>
+struct AccumulatorType<Eigen::bfloat16> {
+  using type = float;
+};
+
+template <typename T>
+bool AllFinite(const T* data, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!Eigen::numext::isfinite(data[i])) return false;
+  }
+  return true;
+}
+
+// Outputs of the Dense/SparseBufferStats ops; the caller holds the buffer's mutex.
+inline void WriteBufferStats(::tensorflow::OpKernelContext* ctx, BufferCore& core) {
+  ::tensorflow::Tensor *step, *entries, *counters, *hist;
+  OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ::tensorflow::TensorShape({}), &step));
+  OP_REQUIRES_OK(ctx, ctx->allocate_output(1, ::tensorflow::TensorShape({}), &entries));
+  OP_REQUIRES_OK(ctx, ctx->allocate_output(2, ::tensorflow::TensorShape({7}), &counters));
+  const BufferStats& s = core.stats();
+  OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                          3, ::tensorflow::TensorShape({static_cast<int64_t>(s.histogram.size())}), &hist));
+  step->scalar<int64_t>()() = core.step();
+  entries->scalar<int64_t>()() = core.entries();
+  auto c = counters->vec<int64_t>();
+  c(0) = s.pushes;
+  c(1) = s.aggregations;
+  c(2) = s.dropped;
+  c(3) = s.duplicates;
+  c(4) = s.nonfinite;
+  c(5) = s.staleness_sum;
+  c(6) = s.staleness_max;
+  auto h = hist->vec<int64_t>();
+  for (size_t i = 0; i < s.histogram.size(); ++i) h(i) = s.histogram[i];
+}
+
+}  // namespace tf_gba
+
+#endif  // TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_BUFFER_CORE_H_

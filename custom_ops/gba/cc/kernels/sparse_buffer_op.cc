@@ -1,0 +1,358 @@
+// Sparse GBA gradient buffer for embedding rows (SPEC section 1, "Embeddings: per-ID staleness").
+//
+// Every row carries last_step[id], the global step that last updated it (-1: never). A push's
+// weight for an id is decided by the id's own staleness max(0, last_step[id] - token), which is
+// exact at push time because tags only change at aggregation. Accumulators exist only for the ids
+// touched in the current global batch (a compact pool indexed through slot_[id]), so the extra
+// memory per row is one int64 tag and one int32 slot.
+#define EIGEN_USE_THREADS
+
+#include <algorithm>
+#include <mutex>
+#include <numeric>
+
+#include "custom_ops/gba/cc/kernels/buffer_core.h"
+#include "custom_ops/gba/cc/kernels/resource_util.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace tf_gba {
+
+using ::tensorflow::DataType;
+using ::tensorflow::DataTypeString;
+using ::tensorflow::DataTypeToEnum;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::PartialTensorShape;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+namespace errors = ::tensorflow::errors;
+
+class SparseGradientBuffer : public ::tensorflow::ResourceBase {
+ public:
+  struct Touched {
+    int64_t id;
+    int32_t count;      // pushes of this batch whose ids contained id: c(id)
+    int32_t kept;       // of those, pushes with a non-zero weight
+    int64_t last_push;  // sequence number of the last push that counted this id
+  };
+
+  SparseGradientBuffer(DataType dtype, int64_t num_rows, const TensorShape& row_shape,
+                       const BufferConfig& config, int64_t initial_step)
+      : core_(config, initial_step),
+        dtype_(dtype),
+        num_rows_(num_rows),
+        row_shape_(row_shape),
+        row_size_(row_shape.num_elements()),
+        tags(num_rows, -1),
+        slot(num_rows, -1) {}
+
+  std::string DebugString() const override {
+    return ::tensorflow::strings::StrCat("GBA SparseGradientBuffer(", DataTypeString(dtype_), "[",
+                                         num_rows_, "]", row_shape_.DebugString(), ")");
+  }
+
+  DataType dtype() const { return dtype_; }
+  int64_t num_rows() const { return num_rows_; }
+  const TensorShape& row_shape() const { return row_shape_; }
+  int64_t row_size() const { return row_size_; }
+
+  // Forgets the current batch's accumulators (after aggregation, or on restore).
+  void ClearBatch() {
+    for (const Touched& t : touched) slot[t.id] = -1;
+    touched.clear();
+    pool_f.clear();
+    pool_d.clear();
+  }
+
+  std::mutex mu;
+  BufferCore core_;
+  std::vector<int64_t> tags;     // last_step per row
+  std::vector<int32_t> slot;     // index into `touched` for ids of the current batch, else -1
+  std::vector<Touched> touched;
+  std::vector<float> pool_f;     // accumulator rows (float, half, bfloat16 gradients)
+  std::vector<double> pool_d;    // accumulator rows (double gradients)
+  int64_t push_seq = 0;
+
+ private:
+  const DataType dtype_;
+  const int64_t num_rows_;
+  const TensorShape row_shape_;
+  const int64_t row_size_;
+};
+
+template <typename Acc>
+std::vector<Acc>& Pool(SparseGradientBuffer* b);
+template <>
+std::vector<float>& Pool<float>(SparseGradientBuffer* b) { return b->pool_f; }
+template <>
+std::vector<double>& Pool<double>(SparseGradientBuffer* b) { return b->pool_d; }
+
+class SparseBufferCreateOp : public OpKernel {
+ public:
+  explicit SparseBufferCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ParseBufferConfig(ctx, &config_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dtype", &dtype_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_rows", &num_rows_));
+    OP_REQUIRES(ctx, num_rows_ >= 0 && num_rows_ < (int64_t{1} << 31),
+                errors::InvalidArgument("num_rows must be in [0, 2^31) per buffer (shard larger "
+                                        "tables), got ", num_rows_, "."));
+    PartialTensorShape row_shape;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("row_shape", &row_shape));
+    OP_REQUIRES(ctx, row_shape.IsFullyDefined() && row_shape.AsTensorShape(&row_shape_),
+                errors::InvalidArgument("row_shape must be fully defined, got ",
+                                        row_shape.DebugString(), "."));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("initial_step", &initial_step_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("container", &container_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("shared_name", &shared_name_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    CreateResourceAndOutputHandle<SparseGradientBuffer>(
+        ctx, container_, shared_name_, [this](SparseGradientBuffer** out) {
+          *out = new SparseGradientBuffer(dtype_, num_rows_, row_shape_, config_, initial_step_);
+          return ::tensorflow::OkStatus();
+        });
+  }
+
+ private:
+  BufferConfig config_;
+  DataType dtype_;
+  int64_t num_rows_;
+  TensorShape row_shape_;
+  int64_t initial_step_;
+  std::string container_, shared_name_;
+};
+
+template <typename T, typename Tindex>
+class SparseBufferPushOp : public OpKernel {
+  using Acc = typename AccumulatorType<T>::type;
+
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<SparseGradientBuffer> buf;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &buf));
+    int64_t token, ticket;
+    OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 1, "token", &token));
+    OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 2, "ticket", &ticket));
+    OP_REQUIRES(ctx, token >= 0,
+                errors::InvalidArgument("token must be >= 0 (tokens come from the GBA token "
+                                        "generator), got ", token, "."));
+    const Tensor& indices = ctx->input(3);
+    const Tensor& values = ctx->input(4);
+    OP_REQUIRES(ctx, DataTypeToEnum<T>::value == buf->dtype(),
+                errors::InvalidArgument("Embedding gradient dtype ",
+                                        DataTypeString(DataTypeToEnum<T>::value),
+                                        " does not match the buffer's dtype ",
+                                        DataTypeString(buf->dtype()), "."));
+    OP_REQUIRES(ctx, ::tensorflow::TensorShapeUtils::IsVector(indices.shape()),
+                errors::InvalidArgument("indices must be a vector, got shape ",
+                                        indices.shape().DebugString(), "."));
+    const int64_t n = indices.dim_size(0);
+    TensorShape expected({n});
+    expected.AppendShape(buf->row_shape());
+    OP_REQUIRES(ctx, values.shape() == expected,
+                errors::InvalidArgument("values must have shape [len(indices)] + row_shape = ",
+                                        expected.DebugString(), ", got ",
+                                        values.shape().DebugString(), " for ",
+                                        buf->DebugString(), "."));
+    auto ids = indices.vec<Tindex>();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t id = static_cast<int64_t>(ids(i));
+      OP_REQUIRES(ctx, id >= 0 && id < buf->num_rows(),
+                  errors::InvalidArgument("indices[", i, "] = ", id, " is out of range [0, ",
+                                          buf->num_rows(), ") of ", buf->DebugString(),
+                                          " (ids must be shard-local row numbers)."));
+    }
+    const int64_t row_size = buf->row_size();
+    const T* rows = values.flat<T>().data();
+    const bool finite = AllFinite(rows, n * row_size);
+    OP_REQUIRES(ctx, finite || !buf->core_.config().error_on_nonfinite,
+                errors::InvalidArgument("Embedding gradient pushed to ", buf->DebugString(),
+                                        " contains NaN or Inf (token ", token,
+                                        "). Lower the learning rate or clip gradients, or create "
+                                        "the buffer with nonfinite='drop' to skip such pushes."));
+
+    bool ready = false;
+    int64_t step_out;
+    std::vector<int64_t> out_ids;
+    std::vector<Acc> out_rows;
+    {
+      std::lock_guard<std::mutex> lock(buf->mu);
+      BufferCore& core = buf->core_;
+      if (core.AcceptTicket(ticket)) {
+        if (!finite) ++core.stats().nonfinite;
+        std::vector<Acc>& pool = Pool<Acc>(buf.get());
+        const int64_t seq = ++buf->push_seq;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t id = static_cast<int64_t>(ids(i));
+          int32_t& sl = buf->slot[id];
+          if (sl < 0) {
+            sl = static_cast<int32_t>(buf->touched.size());
+            buf->touched.push_back({id, 0, 0, -1});
+            pool.resize(pool.size() + row_size, Acc(0));
+          }
+          SparseGradientBuffer::Touched& t = buf->touched[sl];
+          const int64_t staleness = std::max<int64_t>(0, buf->tags[id] - token);
+          const double w = finite ? core.config().decay.Weight(staleness) : 0.0;
+          if (t.last_push != seq) {  // duplicates within one push count once
+            t.last_push = seq;
+            ++t.count;
+            core.RecordStaleness(staleness);
+            if (w == 0.0) {
+              ++core.stats().dropped;
+            } else {
+              ++t.kept;
+            }
+          }
+          if (w != 0.0) {
+            Acc* acc = pool.data() + static_cast<int64_t>(sl) * row_size;
+            const T* row = rows + i * row_size;
+            const Acc wa = static_cast<Acc>(w);
+            for (int64_t j = 0; j < row_size; ++j) acc[j] += wa * static_cast<Acc>(row[j]);
+          }
+        }
+        if (core.AddEntry(finite || core.config().count_dropped)) {
+          ready = true;
+          Aggregate(buf.get(), pool, &out_ids, &out_rows);
+          core.FinishAggregation();
+        }
+      }
+      step_out = core.step();
+    }
+
+    Tensor* ready_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &ready_t));
+    ready_t->scalar<bool>()() = ready;
+    const int64_t k = static_cast<int64_t>(out_ids.size());
+    Tensor* ids_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &ids_t));
+    TensorShape rows_shape({k});
+    rows_shape.AppendShape(buf->row_shape());
+    Tensor* rows_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, rows_shape, &rows_t));
+    auto out_i = ids_t->vec<Tindex>();
+    for (int64_t i = 0; i < k; ++i) out_i(i) = static_cast<Tindex>(out_ids[i]);
+    T* out_r = rows_t->flat<T>().data();
+    for (int64_t i = 0; i < k * row_size; ++i) out_r[i] = static_cast<T>(out_rows[i]);
+    Tensor* step_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({}), &step_t));
+    step_t->scalar<int64_t>()() = step_out;
+  }
+
+ private:
+  // Builds the aggregate of the completed global batch (ids sorted, all-dropped ids left out),
+  // tags the aggregated rows with the step k being applied, and clears the batch. Caller holds mu.
+  static void Aggregate(SparseGradientBuffer* buf, const std::vector<Acc>& pool,
+                        std::vector<int64_t>* out_ids, std::vector<Acc>* out_rows) {
+    const int64_t row_size = buf->row_size();
+    const bool by_kept = buf->core_.config().normalize == Normalize::kKept;
+    std::vector<int32_t> order;
+    order.reserve(buf->touched.size());
+    for (int32_t s = 0; s < static_cast<int32_t>(buf->touched.size()); ++s) {
+      if (buf->touched[s].kept > 0) order.push_back(s);
+    }
+    std::sort(order.begin(), order.end(), [buf](int32_t a, int32_t b) {
+      return buf->touched[a].id < buf->touched[b].id;
+    });
+    out_ids->resize(order.size());
+    out_rows->resize(order.size() * row_size);
+    const int64_t k = buf->core_.step();
+    for (size_t i = 0; i < order.size(); ++i) {
+      const SparseGradientBuffer::Touched& t = buf->touched[order[i]];
+      const Acc inv = Acc(1) / static_cast<Acc>(by_kept ? t.kept : t.count);
+      const Acc* acc = pool.data() + static_cast<int64_t>(order[i]) * row_size;
+      Acc* dst = out_rows->data() + i * row_size;
+      for (int64_t j = 0; j < row_size; ++j) dst[j] = acc[j] * inv;
+      (*out_ids)[i] = t.id;
+      buf->tags[t.id] = k;  // tags used for this batch's weights were the ones before this line
+    }
+    buf->ClearBatch();
+  }
+};
+
+class SparseBufferStatsOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<SparseGradientBuffer> buf;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &buf));
+    std::lock_guard<std::mutex> lock(buf->mu);
+    WriteBufferStats(ctx, buf->core_);
+  }
+};
+
+class SparseBufferExportOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<SparseGradientBuffer> buf;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &buf));
+    std::lock_guard<std::mutex> lock(buf->mu);
+    Tensor *step, *tags;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &step));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({buf->num_rows()}), &tags));
+    step->scalar<int64_t>()() = buf->core_.step();
+    std::copy(buf->tags.begin(), buf->tags.end(), tags->vec<int64_t>().data());
+  }
+};
+
+class SparseBufferImportOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<SparseGradientBuffer> buf;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &buf));
+    int64_t step;
+    OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 1, "global_step", &step));
+    OP_REQUIRES(ctx, step >= 0,
+                errors::InvalidArgument("global_step must be >= 0, got ", step, "."));
+    const Tensor& tags = ctx->input(2);
+    OP_REQUIRES(ctx, ::tensorflow::TensorShapeUtils::IsVector(tags.shape()) &&
+                         tags.dim_size(0) == buf->num_rows(),
+                errors::InvalidArgument("row_tags must have shape [", buf->num_rows(), "] for ",
+                                        buf->DebugString(), ", got ", tags.shape().DebugString(),
+                                        " (a checkpoint from another shard layout?)."));
+    auto t = tags.vec<int64_t>();
+    for (int64_t i = 0; i < buf->num_rows(); ++i) {
+      OP_REQUIRES(ctx, t(i) >= -1 && t(i) < step,
+                  errors::InvalidArgument("row_tags[", i, "] = ", t(i),
+                                          " must be in [-1, global_step = ", step, ")."));
+    }
+    std::lock_guard<std::mutex> lock(buf->mu);
+    buf->core_.Reset(step);
+    buf->ClearBatch();
+    std::copy(t.data(), t.data() + buf->num_rows(), buf->tags.begin());
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferCreate").Device(::tensorflow::DEVICE_CPU),
+                        SparseBufferCreateOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferStats").Device(::tensorflow::DEVICE_CPU),
+                        SparseBufferStatsOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferExport").Device(::tensorflow::DEVICE_CPU),
+                        SparseBufferExportOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferImport").Device(::tensorflow::DEVICE_CPU),
+                        SparseBufferImportOp);
+
+#define REGISTER_PUSH_T_I(T, I)                                         \
+  REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferPush")                  \
+                              .Device(::tensorflow::DEVICE_CPU)         \
+                              .TypeConstraint<T>("T")                   \
+                              .TypeConstraint<I>("Tindices"),           \
+                          SparseBufferPushOp<T, I>);
+#define REGISTER_PUSH(T)            \
+  REGISTER_PUSH_T_I(T, int32_t)     \
+  REGISTER_PUSH_T_I(T, int64_t)
+TF_CALL_half(REGISTER_PUSH);
+TF_CALL_bfloat16(REGISTER_PUSH);
+TF_CALL_float(REGISTER_PUSH);
+TF_CALL_double(REGISTER_PUSH);
+#undef REGISTER_PUSH
+#undef REGISTER_PUSH_T_I
+
+}  // namespace tf_gba

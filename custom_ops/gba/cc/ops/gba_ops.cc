@@ -1,0 +1,238 @@
+// Op registrations of the GBA core: token generator, dense and sparse gradient buffers.
+// Kernels live in ../kernels; Python wrappers in tf_gba/ops/gba_ops.py.
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tf_gba {
+
+using ::tensorflow::Status;
+using ::tensorflow::shape_inference::DimensionHandle;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+
+namespace {
+
+Status ScalarResource(InferenceContext* c) {
+  c->set_output(0, c->Scalar());
+  return ::tensorflow::OkStatus();
+}
+
+// Attributes of every buffer: M, the decay rule, normalisation, policies and statistics sizes.
+#define GBA_BUFFER_ATTRS                                  \
+  Attr("num_aggregate: int")                              \
+      .Attr("staleness_threshold: int = 3")               \
+      .Attr("decay: string = 'threshold'")                \
+      .Attr("decay_alpha: float = 0.5")                   \
+      .Attr("normalize: string = 'num_aggregate'")        \
+      .Attr("count_dropped: bool = true")                 \
+      .Attr("nonfinite: string = 'drop'")                 \
+      .Attr("histogram_bins: int = 16")                   \
+      .Attr("dedupe_window: int = 65536")                 \
+      .Attr("initial_step: int = 0")                      \
+      .Attr("container: string = ''")                     \
+      .Attr("shared_name: string = ''")
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Token generator: the i-th fetch returns token floor(i / M) and ticket i.
+REGISTER_OP("GBA>TokenGeneratorCreate")
+    .Output("handle: resource")
+    .Attr("num_aggregate: int")
+    .Attr("initial_count: int = 0")
+    .Attr("container: string = ''")
+    .Attr("shared_name: string = ''")
+    .SetIsStateful()
+    .SetShapeFn(ScalarResource)
+    .Doc("Creates (or finds, by shared_name) a token generator handing out floor(i / M).");
+
+REGISTER_OP("GBA>TokenGeneratorFetch")
+    .Input("handle: resource")
+    .Output("token: int64")
+    .Output("ticket: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Scalar());
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("Takes the next token floor(i / M) and its unique ticket i.");
+
+REGISTER_OP("GBA>TokenGeneratorCount")
+    .Input("handle: resource")
+    .Output("count: int64")
+    .Output("num_aggregate: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Scalar());
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("Number of tokens fetched so far, and M.");
+
+REGISTER_OP("GBA>TokenGeneratorReset")
+    .Input("handle: resource")
+    .Input("count: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      return c->WithRank(c->input(1), 0, &unused);
+    })
+    .Doc("Sets the fetch count, so the next token is floor(count / M).");
+
+// ---------------------------------------------------------------------------------------------
+// Dense gradient buffer: one per dense variable (or shard).
+REGISTER_OP("GBA>DenseBufferCreate")
+    .Output("handle: resource")
+    .Attr("dtype: {half, bfloat16, float, double}")
+    .Attr("shape: shape")
+    .GBA_BUFFER_ATTRS
+    .SetIsStateful()
+    .SetShapeFn(ScalarResource)
+    .Doc("Creates a dense gradient buffer aggregating M pushes per global step.");
+
+REGISTER_OP("GBA>DenseBufferPush")
+    .Input("handle: resource")
+    .Input("token: int64")
+    .Input("ticket: int64")
+    .Input("gradient: T")
+    .Output("ready: bool")
+    .Output("aggregate: T")
+    .Output("global_step: int64")
+    .Attr("T: {half, bfloat16, float, double}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &unused));
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->input(3));
+      c->set_output(2, c->Scalar());
+      return ::tensorflow::OkStatus();
+    })
+    .Doc(R"doc(
+Stores (token, gradient) and returns at once. The push that completes the M-th entry of the
+global batch gets ready=true and aggregate = (1/M) * sum_m f(token_m, k) * gradient_m; every other
+push gets ready=false and `aggregate` is its own gradient passed through (do not apply it).
+global_step is the buffer's step after this push.
+)doc");
+
+REGISTER_OP("GBA>DenseBufferStats")
+    .Input("handle: resource")
+    .Output("global_step: int64")
+    .Output("entries: int64")
+    .Output("counters: int64")
+    .Output("histogram: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Scalar());
+      c->set_output(2, c->Vector(7));
+      c->set_output(3, c->Vector(c->UnknownDim()));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("counters = [pushes, aggregations, dropped, duplicates, nonfinite, staleness_sum, "
+         "staleness_max].");
+
+REGISTER_OP("GBA>DenseBufferSetStep")
+    .Input("handle: resource")
+    .Input("global_step: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      return c->WithRank(c->input(1), 0, &unused);
+    })
+    .Doc("Sets the global step and discards pending entries (checkpoint restore).");
+
+// ---------------------------------------------------------------------------------------------
+// Sparse gradient buffer: one per embedding table (or shard), with per-row staleness tags.
+REGISTER_OP("GBA>SparseBufferCreate")
+    .Output("handle: resource")
+    .Attr("dtype: {half, bfloat16, float, double}")
+    .Attr("num_rows: int")
+    .Attr("row_shape: shape")
+    .GBA_BUFFER_ATTRS
+    .SetIsStateful()
+    .SetShapeFn(ScalarResource)
+    .Doc("Creates a sparse (embedding-row) gradient buffer with per-ID staleness.");
+
+REGISTER_OP("GBA>SparseBufferPush")
+    .Input("handle: resource")
+    .Input("token: int64")
+    .Input("ticket: int64")
+    .Input("indices: Tindices")
+    .Input("values: T")
+    .Output("ready: bool")
+    .Output("aggregate_indices: Tindices")
+    .Output("aggregate_values: T")
+    .Output("global_step: int64")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("Tindices: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused, indices, values, rows;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &indices));
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(4), 1, &values));
+      DimensionHandle n;
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(indices, 0), c->Dim(values, 0), &n));
+      TF_RETURN_IF_ERROR(c->Subshape(values, 1, &rows));
+      ShapeHandle out_values;
+      TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rows, &out_values));
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      c->set_output(2, out_values);
+      c->set_output(3, c->Scalar());
+      return ::tensorflow::OkStatus();
+    })
+    .Doc(R"doc(
+Stores (token, ids, rows) with duplicate ids summed, weighting each id by its own staleness
+max(0, last_step[id] - token). The push that completes the M-th entry gets ready=true and the
+aggregate rows sum_m w_m(id) row_m[id] / c(id) for the ids with a non-zero weight (sorted); then
+last_step[id] = k for those ids. Other pushes get ready=false and empty outputs.
+)doc");
+
+REGISTER_OP("GBA>SparseBufferStats")
+    .Input("handle: resource")
+    .Output("global_step: int64")
+    .Output("entries: int64")
+    .Output("counters: int64")
+    .Output("histogram: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Scalar());
+      c->set_output(2, c->Vector(7));
+      c->set_output(3, c->Vector(c->UnknownDim()));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("counters = [pushes, aggregations, dropped (push, id) pairs, duplicates, nonfinite, "
+         "staleness_sum, staleness_max].");
+
+REGISTER_OP("GBA>SparseBufferExport")
+    .Input("handle: resource")
+    .Output("global_step: int64")
+    .Output("row_tags: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("The global step and every row's last_step tag (-1: never updated).");
+
+REGISTER_OP("GBA>SparseBufferImport")
+    .Input("handle: resource")
+    .Input("global_step: int64")
+    .Input("row_tags: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      return c->WithRank(c->input(2), 1, &unused);
+    })
+    .Doc("Restores the global step and row tags; discards pending entries.");
+
+}  // namespace tf_gba
