@@ -1,0 +1,228 @@
+"""Runs a function on N localhost worker processes set up for MultiWorkerMirroredStrategy.
+
+`run_collective_cluster("pkg.module:function", num_workers=2, kwargs={...})` picks free ports on
+127.0.0.1, starts one process per worker with its `TF_CONFIG`
+(`{"cluster": {"worker": [...]}, "task": {"type": "worker", "index": i}}`), calls
+`function(**kwargs)` in each (the function creates `tf.distribute.MultiWorkerMirroredStrategy()`
+itself, which reads `TF_CONFIG`), and returns the JSON-serialisable return values, ordered by
+worker index. The processes are always ended: on success, on a worker failure (a failed worker
+leaves its peers stuck in a collective, so the others are killed at once), on timeout and on
+Ctrl-C. Each worker runs in its own process group, which is killed as a whole.
+
+The target is `module:function` or `path/to/file.py:function`. Command line (prints the results):
+
+  python -m tf_gba.distribute.collective_cluster --target=pkg.mod:fn --num_workers=2 \
+      --kwargs_json='{"steps": 10}'
+"""
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Dict, List, Optional
+
+_LOG_TAIL_CHARS = 4000
+
+
+class ClusterError(RuntimeError):
+  """A worker failed, or the cluster did not finish in time."""
+
+
+def free_ports(count: int) -> List[int]:
+  """`count` distinct free TCP ports on 127.0.0.1 (free when checked; another process could
+  still take one before the worker binds it)."""
+  with contextlib.ExitStack() as stack:
+    socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+             for _ in range(count)]
+    for sock in socks:
+      sock.bind(("127.0.0.1", 0))
+    return [sock.getsockname()[1] for sock in socks]
+
+
+def tf_config(addresses: List[str], index: int, task_type: str = "worker") -> Dict:
+  return {"cluster": {"worker": list(addresses)}, "task": {"type": task_type, "index": index}}
+
+
+def _load_target(target: str):
+  module_name, sep, function_name = target.rpartition(":")
+  if not sep or not module_name or not function_name:
+    raise ValueError(f"target must be 'module:function' or 'file.py:function', got {target!r}")
+  if module_name.endswith(".py"):
+    spec = importlib.util.spec_from_file_location("_cluster_target", module_name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+  else:
+    module = importlib.import_module(module_name)
+  return getattr(module, function_name)
+
+
+def _kill_group(proc: subprocess.Popen, sig: int):
+  try:
+    os.killpg(proc.pid, sig)  # The worker is its group's leader (start_new_session).
+  except (ProcessLookupError, PermissionError):
+    pass
+
+
+def _end_all(procs: List[subprocess.Popen], grace_s: float = 5.0):
+  """Terminates, then kills, the process group of each worker that is still running."""
+  running = [proc for proc in procs if proc.poll() is None]
+  for proc in running:
+    _kill_group(proc, signal.SIGTERM)
+  deadline = time.monotonic() + grace_s
+  for proc in running:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+      proc.wait(max(0.0, deadline - time.monotonic()))
+  for proc in running:
+    if proc.poll() is not None:
+      continue
+    _kill_group(proc, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+      proc.wait(grace_s)
+
+
+def _tail(path: str) -> str:
+  try:
+    with open(path, "r", errors="replace") as f:
+      return f.read()[-_LOG_TAIL_CHARS:]
+  except OSError:
+    return "<no log>"
+
+
+def run_collective_cluster(target: str, num_workers: int = 2,
+                           kwargs: Optional[Dict[str, Any]] = None, timeout_s: float = 300.0,
+                           env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
+                           python: Optional[str] = None,
+                           log_dir: Optional[str] = None) -> List[Any]:
+  """Runs `target(**kwargs)` on `num_workers` localhost workers; returns their results.
+
+  Args:
+    target: "module:function" or "path/to/file.py:function"; must be importable from `cwd`.
+    num_workers: number of worker processes.
+    kwargs: JSON-serialisable keyword arguments, the same for every worker (a worker can read its
+      index from TF_CONFIG or from the strategy's cluster resolver).
+    timeout_s: wall-clock limit for the whole cluster.
+    env: extra environment variables for the workers.
+    cwd: working directory of the workers (default: the current one); it is put on PYTHONPATH.
+    python: interpreter (default: this one).
+    log_dir: where each worker's output goes (`worker_<i>.log`); default a temporary directory,
+      removed after a success.
+
+  Returns:
+    The return values, index i from worker i.
+
+  Raises:
+    ClusterError: a worker exited with an error or the cluster ran past `timeout_s`; the message
+      holds the tail of each worker's log.
+  """
+  if num_workers < 1:
+    raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+  cwd = os.path.abspath(cwd or os.getcwd())
+  own_log_dir = log_dir is None
+  log_dir = log_dir or tempfile.mkdtemp(prefix="tf_gba_cluster_")
+  os.makedirs(log_dir, exist_ok=True)
+  addresses = [f"127.0.0.1:{port}" for port in free_ports(num_workers)]
+  base_env = dict(os.environ)
+  base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  base_env["PYTHONPATH"] = os.pathsep.join(
+      [cwd] + ([base_env["PYTHONPATH"]] if base_env.get("PYTHONPATH") else []))
+  base_env.update(env or {})
+  kwargs_json = json.dumps(kwargs or {})
+  procs: List[subprocess.Popen] = []
+  logs, results_files = [], []
+  try:
+    for index in range(num_workers):
+      worker_env = dict(base_env, TF_CONFIG=json.dumps(tf_config(addresses, index)))
+      log_path = os.path.join(log_dir, f"worker_{index}.log")
+      result_path = os.path.join(log_dir, f"worker_{index}.json")
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(result_path)
+      logs.append(log_path)
+      results_files.append(result_path)
+      with open(log_path, "wb") as log:
+        procs.append(subprocess.Popen(
+            [python or sys.executable, "-m", "tf_gba.distribute.collective_cluster",
+             f"--target={target}", f"--kwargs_json={kwargs_json}",
+             f"--result_file={result_path}"],
+            cwd=cwd, env=worker_env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True))
+    deadline = time.monotonic() + timeout_s
+    failure = None
+    while True:
+      codes = [proc.poll() for proc in procs]
+      failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+      if failed:
+        failure = f"worker(s) {failed} exited with {[codes[i] for i in failed]}"
+        break
+      if all(code == 0 for code in codes):
+        break
+      if time.monotonic() > deadline:
+        failure = f"cluster did not finish within {timeout_s} s"
+        break
+      time.sleep(0.1)
+    if failure is not None:
+      _end_all(procs)
+      tails = "\n".join(f"--- worker {i} ({path}) ---\n{_tail(path)}"
+                        for i, path in enumerate(logs))
+      raise ClusterError(f"{failure}; logs kept in {log_dir}\n{tails}")
+    results = []
+    for path in results_files:
+      with open(path) as f:
+        results.append(json.load(f)["result"])
+    if own_log_dir:
+      for path in logs + results_files:
+        with contextlib.suppress(OSError):
+          os.remove(path)
+      with contextlib.suppress(OSError):
+        os.rmdir(log_dir)
+    return results
+  finally:
+    _end_all(procs)
+
+
+def _worker_main(args) -> int:
+  try:
+    result = _load_target(args.target)(**json.loads(args.kwargs_json))
+    payload = {"result": result}
+    code = 0
+  except BaseException:  # pylint: disable=broad-except
+    traceback.print_exc()
+    payload = {"error": traceback.format_exc()}
+    code = 1
+  tmp = args.result_file + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(payload, f)
+  os.replace(tmp, args.result_file)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  # os._exit: skip interpreter teardown, where TF's collective/gRPC threads can hang the exit.
+  os._exit(code)  # pylint: disable=protected-access
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--target", required=True, help="module:function or file.py:function")
+  parser.add_argument("--num_workers", type=int, default=2)
+  parser.add_argument("--kwargs_json", default="{}")
+  parser.add_argument("--timeout_s", type=float, default=300.0)
+  parser.add_argument("--result_file", default=None,
+                      help="internal: set for a worker process, which writes its result here")
+  args = parser.parse_args(argv)
+  if args.result_file:
+    return _worker_main(args)
+  results = run_collective_cluster(args.target, args.num_workers, json.loads(args.kwargs_json),
+                                   timeout_s=args.timeout_s)
+  print(json.dumps(results, indent=2))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,171 @@
+"""A real multi-process parameter-server cluster on 127.0.0.1, for laptops, tests and demos.
+
+Each PS and worker is a separate `python -m tf_gba.distribute.server` process with the op
+libraries loaded; this process becomes the coordinator ("chief"). The cluster is always torn down:
+on leaving the `with` block (also by an exception or Ctrl-C), at interpreter exit, and the servers
+exit by themselves if this process dies.
+"""
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+import tensorflow as tf
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
+  socks, ports = [], []
+  try:
+    for _ in range(n):
+      s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+      s.bind((host, 0))
+      socks.append(s)
+      ports.append(s.getsockname()[1])
+  finally:
+    for s in socks:
+      s.close()
+  return ports
+
+
+class LocalCluster:
+  """Starts `num_ps` parameter servers and `num_workers` workers as local processes.
+
+  Args:
+    num_ps: parameter server processes.
+    num_workers: worker processes.
+    host: address the servers bind to (loopback unless told otherwise).
+    start_timeout: seconds to wait for every server to report ready.
+    env: extra environment for the server processes (e.g. straggler settings).
+    inter_op_threads: inter-op threads per server (0: num_workers + 2).
+  """
+
+  def __init__(self, num_ps: int = 1, num_workers: int = 2, host: str = "127.0.0.1",
+               start_timeout: float = 120.0, env: Optional[Dict[str, str]] = None,
+               inter_op_threads: int = 0):
+    if num_ps < 1:
+      raise ValueError(f"num_ps must be >= 1, got {num_ps}.")
+    if num_workers < 1:
+      raise ValueError(f"num_workers must be >= 1, got {num_workers}.")
+    self.num_ps, self.num_workers, self.host = num_ps, num_workers, host
+    self._start_timeout = start_timeout
+    self._env = dict(env or {})
+    self._inter_op = inter_op_threads or num_workers + 2
+    self._procs: Dict[str, subprocess.Popen] = {}
+    self._logs: Dict[str, str] = {}
+    self._logdir = tempfile.mkdtemp(prefix="tf_gba_cluster_")
+    ports = free_ports(num_ps + num_workers + 1, host)
+    addr = [f"{host}:{p}" for p in ports]
+    self.cluster_spec = {
+        "chief": [addr[0]],
+        "ps": addr[1:1 + num_ps],
+        "worker": addr[1 + num_ps:],
+    }
+    self._started = False
+
+  # ---- lifecycle ---------------------------------------------------------------------------------
+  def start(self) -> "LocalCluster":
+    if self._started:
+      return self
+    self._started = True
+    atexit.register(self.stop)
+    try:
+      for job in ("ps", "worker"):
+        for i in range(len(self.cluster_spec[job])):
+          self._spawn(job, i)
+      self._wait_ready()
+    except BaseException:
+      self.stop()
+      raise
+    return self
+
+  def _spawn(self, job: str, index: int) -> None:
+    name = f"{job}:{index}"
+    env = dict(os.environ)
+    env.update(self._env)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["CUDA_VISIBLE_DEVICES"] = env.get("TF_GBA_SERVER_GPUS", "")
+    env.pop("TF_CONFIG", None)
+    log = os.path.join(self._logdir, f"{job}_{index}.log")
+    self._logs[name] = log
+    cmd = [sys.executable, "-m", "tf_gba.distribute.server",
+           "--cluster_spec", json.dumps(self.cluster_spec), "--job_name", job,
+           "--task_index", str(index), "--inter_op_threads", str(self._inter_op),
+           "--exit_with_parent"]
+    with open(log, "wb") as f:
+      # A session of its own, so Ctrl-C in a terminal reaches only us; we stop the servers.
+      self._procs[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL, env=env,
+                                           start_new_session=True)
+
+  def _wait_ready(self) -> None:
+    deadline = time.time() + self._start_timeout
+    pending = set(self._procs)
+    while pending:
+      for name in list(pending):
+        proc = self._procs[name]
+        with open(self._logs[name], "rb") as f:
+          if b"TF_GBA_SERVER_READY" in f.read():
+            pending.discard(name)
+            continue
+        if proc.poll() is not None:
+          raise RuntimeError(f"Server {name} exited with code {proc.returncode} while starting. "
+                             f"Its log:\n{self.log(name)[-4000:]}")
+      if time.time() > deadline:
+        raise TimeoutError(f"Servers {sorted(pending)} not ready after {self._start_timeout}s; "
+                           f"logs in {self._logdir}.")
+      time.sleep(0.2)
+
+  def stop(self) -> None:
+    for proc in self._procs.values():
+      if proc.poll() is None:
+        try:
+          os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+          pass
+    deadline = time.time() + 10
+    for proc in self._procs.values():
+      try:
+        proc.wait(timeout=max(0.1, deadline - time.time()))
+      except subprocess.TimeoutExpired:
+        try:
+          os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+          pass
+        proc.wait()
+
+  def kill(self, job: str, index: int) -> None:
+    """Kills one server abruptly (failure tests)."""
+    proc = self._procs[f"{job}:{index}"]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+  def __enter__(self) -> "LocalCluster":
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
+  # ---- access ------------------------------------------------------------------------------------
+  @property
+  def pids(self) -> List[int]:
+    return [p.pid for p in self._procs.values()]
+
+  def log(self, name: str) -> str:
+    with open(self._logs[name], "rb") as f:
+      return f.read().decode("utf-8", "replace")
+
+  def resolver(self) -> tf.distribute.cluster_resolver.SimpleClusterResolver:
+    """Cluster resolver for the coordinator (this process, task "chief":0)."""
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(self.cluster_spec), task_type="chief", task_id=0,
+        rpc_layer="grpc")
+
+  def tf_config(self, job: str, index: int) -> str:
+    return json.dumps({"cluster": self.cluster_spec, "task": {"type": job, "index": index}})

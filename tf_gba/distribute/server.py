@@ -1,0 +1,81 @@
+"""Entry point of a parameter server or worker process: a TF server with tf_gba's ops loaded.
+
+Every process of a GBA job must load the op libraries (PS run the kernels, workers place them),
+so PS and workers are started through this module rather than a bare `tf.distribute.Server`:
+
+  python -m tf_gba.distribute.server                 # role and cluster from TF_CONFIG
+  python -m tf_gba.distribute.server --cluster_spec='{"ps": [...], ...}' --job_name=ps \
+      --task_index=0
+
+The process prints "TF_GBA_SERVER_READY <job>:<task>" once serving, and exits on its own when the
+parent process that launched it (a LocalCluster) goes away, so no server outlives its job.
+"""
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _watch_parent(parent_pid: int) -> None:
+  while True:
+    if os.getppid() != parent_pid:
+      os._exit(0)  # orphaned: the launcher died without cleaning up
+    time.sleep(1.0)
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--cluster_spec", default=None, help="JSON cluster spec (default: TF_CONFIG).")
+  p.add_argument("--job_name", default=None, help="'ps' or 'worker' (default: TF_CONFIG).")
+  p.add_argument("--task_index", type=int, default=None)
+  p.add_argument("--inter_op_threads", type=int, default=0,
+                 help="inter-op threads; blocking ops (Hop-BS barrier) need more than workers.")
+  p.add_argument("--exit_with_parent", action="store_true",
+                 help="exit when the launching process goes away")
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  if args.cluster_spec is None:
+    tf_config = json.loads(os.environ.get("TF_CONFIG", "{}"))
+    if "cluster" not in tf_config or "task" not in tf_config:
+      print("No --cluster_spec and no TF_CONFIG with 'cluster' and 'task': nothing to serve.",
+            file=sys.stderr)
+      return 2
+    cluster = tf_config["cluster"]
+    job_name = args.job_name or tf_config["task"]["type"]
+    task_index = args.task_index if args.task_index is not None else int(
+        tf_config["task"]["index"])
+  else:
+    cluster = json.loads(args.cluster_spec)
+    job_name, task_index = args.job_name, args.task_index
+  if job_name not in ("ps", "worker"):
+    print(f"job_name must be 'ps' or 'worker', got {job_name!r}.", file=sys.stderr)
+    return 2
+  if args.exit_with_parent:
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+
+  import tf_gba  # pylint: disable=g-import-not-at-top,unused-import
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tf_gba.ops import loader  # pylint: disable=g-import-not-at-top
+
+  loader.load_all()
+  config = tf.compat.v1.ConfigProto()
+  if args.inter_op_threads:
+    config.inter_op_parallelism_threads = args.inter_op_threads
+  server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job_name,
+                                task_index=task_index, protocol="grpc", config=config,
+                                start=True)
+  print(f"TF_GBA_SERVER_READY {job_name}:{task_index}", flush=True)
+  server.join()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

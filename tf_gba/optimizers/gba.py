@@ -1,0 +1,297 @@
+"""GBA: the Keras optimizer wrapper that aggregates a global batch of gradients on the PS.
+
+Each worker step pushes (token, gradient) of every variable to that variable's buffer on its
+parameter server and returns without waiting (SPEC section 1). The push that completes the M-th
+entry of a buffer's global batch gets the decayed aggregate and applies the inner optimizer's
+update to that variable, right there on the parameter server; the inner optimizer's `iterations`
+advances once per global step. With the same M * local batch as the synchronous global batch, the
+same learning rate and inner optimizer work in both modes, and checkpoints move between them.
+
+Example:
+
+  inner = tf_keras.optimizers.Adam(learning_rate=1e-3)
+  optimizer = tf_gba.optimizers.GBA(inner, global_batch_size=4096, local_batch_size=1024)
+  model.compile(optimizer=optimizer, loss="binary_crossentropy")
+"""
+
+from typing import Dict, List, Optional
+
+import tensorflow as tf
+import tf_keras as keras
+
+from tf_gba.distribute import step_context
+from tf_gba.ops import gba_ops
+
+
+def resolve_num_aggregate(num_aggregate: Optional[int], global_batch_size: Optional[int],
+                          local_batch_size: Optional[int]) -> Optional[int]:
+  """M given, or derived as global / local batch size (SPEC: refuse when not divisible)."""
+  if num_aggregate is not None:
+    if int(num_aggregate) != num_aggregate or num_aggregate < 1:
+      raise ValueError(f"num_aggregate must be an integer >= 1, got {num_aggregate!r}.")
+    if global_batch_size and local_batch_size and (
+        global_batch_size != num_aggregate * local_batch_size):
+      raise ValueError(
+          f"num_aggregate={num_aggregate} x local_batch_size={local_batch_size} != "
+          f"global_batch_size={global_batch_size}. Pass only two of the three.")
+    return int(num_aggregate)
+  if global_batch_size is None and local_batch_size is None:
+    return None
+  if global_batch_size is None or local_batch_size is None:
+    raise ValueError("Pass both global_batch_size and local_batch_size (or num_aggregate).")
+  if global_batch_size <= 0 or local_batch_size <= 0:
+    raise ValueError(f"Batch sizes must be positive, got global={global_batch_size}, "
+                     f"local={local_batch_size}.")
+  if global_batch_size % local_batch_size:
+    raise ValueError(
+        f"global_batch_size={global_batch_size} is not a multiple of local_batch_size="
+        f"{local_batch_size}, so no whole number M of local batches makes one synchronous "
+        "global batch. Choose a local batch size that divides it, or pass num_aggregate "
+        "explicitly to accept a different global batch.")
+  return global_batch_size // local_batch_size
+
+
+class _GBAState(tf.Module):
+  """Checkpointed GBA state: buffers (step, row tags) and the token count."""
+
+
+class GBA(keras.optimizers.Optimizer):
+  """Wraps a tf_keras optimizer so that it applies one aggregate per global batch.
+
+  Args:
+    inner: a tf_keras optimizer (`tf_keras.optimizers.SGD`, `Adam`, `Adagrad`, ...; not a
+      `legacy` one). Its hyper-parameters, slots and checkpoint format are kept.
+    num_aggregate: M, gradients per global step. Or give `global_batch_size` and
+      `local_batch_size` (M = global / local). Under a `GBAStrategy`, default: the strategy's M
+      (the number of workers); outside any strategy, default 1.
+    staleness_threshold: iota; gradients with staleness <= iota keep weight 1.
+    decay: "threshold" (drop gradients staler than iota) or "exponential"
+      (weight decay_alpha ** (staleness - iota)).
+    normalize: "num_aggregate" (divide by M, SPEC default) or "kept".
+    nonfinite: "drop" (a gradient with NaN/Inf gets weight 0 and is counted) or "error".
+  """
+
+  def __init__(self, inner: keras.optimizers.Optimizer, num_aggregate: Optional[int] = None,
+               global_batch_size: Optional[int] = None, local_batch_size: Optional[int] = None,
+               staleness_threshold: int = 3, decay: str = "threshold", decay_alpha: float = 0.5,
+               normalize: str = "num_aggregate", nonfinite: str = "drop", name: str = "GBA",
+               **kwargs):
+    if isinstance(inner, str):
+      inner = keras.optimizers.get(inner)
+    if not isinstance(inner, keras.optimizers.Optimizer):
+      raise TypeError(
+          f"GBA wraps a tf_keras optimizer such as tf_keras.optimizers.Adam(); got "
+          f"{type(inner).__name__}. Legacy optimizers (tf_keras.optimizers.legacy.*) and "
+          "Keras 3 optimizers (tf.keras.optimizers.* in TF 2.16+) are not supported.")
+    if isinstance(inner, GBA):
+      raise TypeError("GBA cannot wrap another GBA optimizer.")
+    if inner.global_clipnorm:
+      raise ValueError(
+          "global_clipnorm needs every variable's gradient of a step at once, but GBA applies "
+          "each variable's aggregate as soon as its own buffer is full. Use clipnorm (applied to "
+          "each aggregate) or clipvalue on the inner optimizer instead.")
+    if inner.use_ema:
+      raise ValueError("use_ema is not supported inside GBA: the moving average would be taken "
+                       "per variable at different moments. Keep an EMA outside the optimizer.")
+    kwargs.pop("jit_compile", None)
+    kwargs.pop("is_legacy_optimizer", None)
+    super().__init__(name=name, jit_compile=False, **kwargs)
+    self._inner = inner
+    self._requested_m = resolve_num_aggregate(num_aggregate, global_batch_size, local_batch_size)
+    self._config_args = dict(staleness_threshold=staleness_threshold, decay=decay,
+                             decay_alpha=decay_alpha, normalize=normalize, nonfinite=nonfinite)
+    # Validate now, with the user's arguments, rather than at the first training step.
+    gba_ops.BufferConfig(num_aggregate=self._requested_m or 1, **self._config_args)
+    strategy = tf.distribute.get_strategy()
+    self._gba_strategy = strategy if hasattr(strategy, "register_num_aggregate") else None
+    if self._gba_strategy is not None:
+      self._num_aggregate = self._gba_strategy.register_num_aggregate(self._requested_m)
+    else:
+      self._num_aggregate = self._requested_m or 1
+    self._gba_state = _GBAState()
+    self._buffers: Dict[int, object] = {}
+    self._sparse_keys: set = set()
+    self._buffer_order: List[int] = []
+    self._local_tokens = None
+
+  # ---- delegation to the inner optimizer -------------------------------------------------------
+  @property
+  def inner_optimizer(self) -> keras.optimizers.Optimizer:
+    return self._inner
+
+  @property
+  def iterations(self):
+    return self._inner.iterations
+
+  @iterations.setter
+  def iterations(self, variable):
+    self._inner.iterations = variable
+
+  @property
+  def learning_rate(self):
+    return self._inner.learning_rate
+
+  @learning_rate.setter
+  def learning_rate(self, value):
+    self._inner.learning_rate = value
+
+  @property
+  def variables(self):
+    return self._inner.variables
+
+  @property
+  def num_aggregate(self) -> int:
+    return self._num_aggregate
+
+  def buffer_config(self) -> gba_ops.BufferConfig:
+    config = gba_ops.BufferConfig(num_aggregate=self._num_aggregate, **self._config_args)
+    if self._gba_strategy is not None:
+      config = self._gba_strategy.buffer_config(config)
+    return config
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    # The inner optimizer's children stand in the wrapper's place, so a checkpoint written with
+    # plain Adam (synchronous training) restores into GBA(Adam) and back: only "gba" is added.
+    children = dict(self._inner._trackable_children(save_type, **kwargs))  # pylint: disable=protected-access
+    children["gba"] = self._gba_state
+    return children
+
+  # ---- building ----------------------------------------------------------------------------------
+  def _token_source(self):
+    if self._gba_strategy is not None:
+      return self._gba_strategy.token_generator
+    if self._local_tokens is None:
+      self._local_tokens = gba_ops.TokenGenerator(self._num_aggregate, name="local_tokens")
+    return self._local_tokens
+
+  def build(self, var_list):
+    """Builds the inner optimizer's slots and aligns the token count with the global step."""
+    if getattr(self, "_built", False):
+      return
+    with tf.init_scope():
+      self._inner.build(var_list)
+      self._build_index_dict(var_list)
+      tokens = self._token_source()
+      # After a restore (or a switch from synchronous training) the global step is k; tokens
+      # must start at k too, or every gradient would look k steps stale.
+      step = int(self._inner.iterations.numpy())
+      floor = step * tokens.num_aggregate
+      if int(tokens.count().numpy()) < floor:
+        tokens.reset(floor)
+      self._gba_state.token_generator = tokens
+    self._built = True
+
+  def _buffer_for(self, var, grad):
+    key = self._var_key(var)
+    sparse = isinstance(grad, tf.IndexedSlices)
+    buf = self._buffers.get(key)
+    if buf is not None:
+      if sparse != (key in self._sparse_keys):
+        raise ValueError(f"Variable {var.name} got a {'sparse' if sparse else 'dense'} gradient "
+                         "after a different kind in an earlier step; GBA buffers are one kind.")
+      return buf
+    with tf.init_scope():
+      index = self._index_dict[key]
+      step = int(self._inner.iterations.numpy())
+      config = self.buffer_config()
+      if sparse:
+        buf = gba_ops.SparseBuffer(var.shape[0], var.shape[1:], var.dtype, config,
+                                   device=var.device, initial_step=step, name="sparse_buffer")
+        self._sparse_keys.add(key)
+      else:
+        buf = gba_ops.DenseBuffer(var.shape, var.dtype, config, device=var.device,
+                                  initial_step=step, name="dense_buffer")
+      # Named by the variable's index in the model's trainable variables: stable across runs.
+      setattr(self._gba_state, f"buffer_{index}", buf)
+      self._buffers[key] = buf
+      self._buffer_order.append(key)
+    return buf
+
+  # ---- applying ----------------------------------------------------------------------------------
+  def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False,
+                      **kwargs):
+    """Pushes each gradient to its buffer; applies the inner update where a batch completes."""
+    del skip_gradients_aggregation, kwargs  # one replica per worker: nothing to all-reduce
+    grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
+    if not grads_and_vars:
+      return self.iterations
+    with tf.name_scope(name or self.name):
+      self.build([v for _, v in grads_and_vars])
+      info = step_context.current()
+      if info is not None and info.token is not None:
+        token, ticket = info.token, info.ticket
+      else:
+        token, ticket = self._token_source().fetch()
+      self._inner._compute_current_learning_rate()  # pylint: disable=protected-access
+      leader_ready = None
+      for grad, var in grads_and_vars:
+        ready = self._push_and_maybe_apply(token, ticket, grad, var)
+        if leader_ready is None:
+          leader_ready = ready
+      # Once per global step, after the variable updates above (program order orders them on
+      # the `iterations` resource, which Adam & co. read for bias correction).
+      with tf.device(self.iterations.device):
+        tf.cond(leader_ready, lambda: self.iterations.assign_add(1).op, tf.no_op)
+      return self.iterations
+
+  def _push_and_maybe_apply(self, token, ticket, grad, var):
+    buf = self._buffer_for(var, grad)
+    with tf.device(var.device):
+      if isinstance(grad, tf.IndexedSlices):
+        ready, ids, rows, _ = buf.push(token, ticket, grad.indices, grad.values)
+        aggregate = tf.IndexedSlices(rows, ids, grad.dense_shape)
+      else:
+        ready, aggregate, _ = buf.push(token, ticket, grad)
+
+      def apply():
+        self._apply_aggregate(aggregate, var)
+        return tf.constant(True)
+
+      # Under the variable's device, the branch runs on its parameter server: no round trip.
+      return tf.cond(ready, apply, lambda: tf.constant(False))
+
+  def _apply_aggregate(self, aggregate, var):
+    inner = self._inner
+    aggregate = inner._clip_gradients([aggregate])[0]  # pylint: disable=protected-access
+    if inner.weight_decay and inner._use_weight_decay(var):  # pylint: disable=protected-access
+      lr = tf.cast(inner.learning_rate, var.dtype)
+      var.assign_sub(var * tf.cast(inner.weight_decay, var.dtype) * lr)
+    inner._update_step(aggregate, var)  # pylint: disable=protected-access
+    if var.constraint is not None:
+      var.assign(var.constraint(var))
+
+  def update_step(self, gradient, variable):
+    raise NotImplementedError("GBA applies through apply_gradients(); call that instead.")
+
+  # ---- statistics and config ---------------------------------------------------------------------
+  def stats(self) -> dict:
+    """Counters of the buffers, read eagerly (on the coordinator, between steps).
+
+    "dense" comes from the first variable's buffer: one entry per push, so its pushes, dropped
+    gradients and staleness are per step, not per variable. "sparse" sums the embedding buffers
+    over (push, id) pairs.
+    """
+    dense = [self._buffers[k].stats() for k in self._buffer_order if k not in self._sparse_keys]
+    sparse = [self._buffers[k].stats() for k in self._buffer_order if k in self._sparse_keys]
+    first_dense = dense[0] if dense else None
+    return {
+        "num_aggregate": self._num_aggregate,
+        "global_step": int(self.iterations.numpy()),
+        "dense": first_dense.as_dict() if first_dense else None,
+        "sparse": gba_ops.merge_stats(sparse).as_dict() if sparse else None,
+        "tokens_fetched": int(self._token_source().count().numpy()) if self._built else 0,
+    }
+
+  def get_config(self):
+    return {
+        "name": self.name,
+        "inner": keras.optimizers.serialize(self._inner),
+        "num_aggregate": self._requested_m,
+        **self._config_args,
+    }
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    config = dict(config)
+    inner = keras.optimizers.deserialize(config.pop("inner"), custom_objects=custom_objects)
+    return cls(inner, **config)
