@@ -55,6 +55,14 @@ class _GBAState(tf.Module):
   """Checkpointed GBA state: buffers (step, row tags) and the token count."""
 
 
+def _track(state: _GBAState, name: str, resource) -> None:
+  # Tracking may restore the resource right away (a checkpoint restored before it existed).
+  # That restore runs as a function on the current default device; run it on the resource's own
+  # parameter server, since parameter servers cannot reach each other.
+  with tf.init_scope(), tf.device(resource._resource_device):  # pylint: disable=protected-access
+    setattr(state, name, resource)
+
+
 class GBA(keras.optimizers.Optimizer):
   """Wraps a tf_keras optimizer so that it applies one aggregate per global batch.
 
@@ -178,7 +186,7 @@ class GBA(keras.optimizers.Optimizer):
       floor = step * tokens.num_aggregate
       if int(tokens.count().numpy()) < floor:
         tokens.reset(floor)
-      self._gba_state.token_generator = tokens
+      _track(self._gba_state, "token_generator", tokens)
     self._built = True
 
   def _buffer_for(self, var, grad):
@@ -202,7 +210,7 @@ class GBA(keras.optimizers.Optimizer):
         buf = gba_ops.DenseBuffer(var.shape, var.dtype, config, device=var.device,
                                   initial_step=step, name="dense_buffer")
       # Named by the variable's index in the model's trainable variables: stable across runs.
-      setattr(self._gba_state, f"buffer_{index}", buf)
+      _track(self._gba_state, f"buffer_{index}", buf)
       self._buffers[key] = buf
       self._buffer_order.append(key)
     return buf
