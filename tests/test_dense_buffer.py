@@ -160,6 +160,23 @@ def test_nonfinite_dropped_and_counted():
   assert stats.nonfinite == 1 and stats.dropped == 1
 
 
+def test_nonfinite_late_in_a_large_gradient_leaves_the_sum_intact():
+  # The kernel checks and adds block by block; a NaN far into the gradient must undo the blocks
+  # already added. Integer values keep the undo exact.
+  n = 200_003
+  buf = gba_ops.DenseBuffer([n], tf.float32, gba_ops.BufferConfig(4))
+  first = np.arange(n, dtype=np.float32) % 97
+  bad = np.full(n, 5.0, np.float32)
+  bad[-2] = np.inf
+  buf.push(0, 0, tf.constant(first))
+  buf.push(0, 1, tf.constant(bad))
+  buf.push(0, 2, tf.constant(first))
+  ready, agg, _ = buf.push(0, 3, tf.zeros([n]))
+  assert bool(ready)
+  np.testing.assert_array_equal(agg.numpy() * 4, 2 * first)
+  assert buf.stats().nonfinite == 1
+
+
 def test_empty_variable():
   buf = gba_ops.DenseBuffer([0, 3], tf.float32, gba_ops.BufferConfig(1))
   ready, agg, _ = buf.push(0, 0, tf.zeros([0, 3]))

@@ -5,7 +5,12 @@
 // memory stays at one variable's size.
 #define EIGEN_USE_THREADS
 
+#include <atomic>
+#include <cmath>
+#include <limits>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 #include "custom_ops/gba/cc/kernels/buffer_core.h"
 #include "custom_ops/gba/cc/kernels/resource_util.h"
@@ -53,6 +58,76 @@ class DenseGradientBuffer : public ::tensorflow::ResourceBase {
   const DataType dtype_;
   const TensorShape shape_;
 };
+
+// True when every value is finite: |x| <= max is false for NaN and Inf. An AND of compares
+// (no floating-point reduction order to respect) lets the loop vectorise.
+template <typename T>
+bool BlockFinite(const T* g, int64_t n) {
+  using Acc = typename AccumulatorType<T>::type;
+  const Acc limit = std::numeric_limits<Acc>::max();
+  bool ok = true;
+  for (int64_t i = 0; i < n; ++i) ok &= std::abs(static_cast<Acc>(g[i])) <= limit;
+  return ok;
+}
+
+constexpr int64_t kBlock = 16384;  // values per block: a block of g stays in cache between passes
+
+template <typename T>
+bool AllFiniteParallel(const CPUDevice& d, const T* g, int64_t n) {
+  std::atomic<bool> ok(true);
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  d.parallelFor(blocks, Eigen::TensorOpCost(kBlock * sizeof(T), 0, kBlock),
+                [&](Eigen::Index b0, Eigen::Index b1) {
+                  for (Eigen::Index b = b0; b < b1 && ok.load(std::memory_order_relaxed); ++b) {
+                    const int64_t start = b * kBlock;
+                    if (!BlockFinite(g + start, std::min(kBlock, n - start))) ok = false;
+                  }
+                });
+  return ok;
+}
+
+// s += f * g (or s = f * g when `assign`), in one pass over memory: each block of g is checked
+// for NaN/Inf while it is in cache, then accumulated. Returns false if g is not finite; then the
+// blocks already added are subtracted back (restoring s up to rounding; a dropped push is rare)
+// and, when assigning, s is left undefined for the caller to discard.
+template <typename T, typename Acc>
+bool CheckedAccumulate(const CPUDevice& d, const T* g, Acc* s, int64_t n, Acc f, bool assign) {
+  std::atomic<bool> ok(true);
+  std::mutex done_mu;
+  std::vector<std::pair<int64_t, int64_t>> done;  // block ranges applied, for the undo
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  d.parallelFor(blocks, Eigen::TensorOpCost(kBlock * (sizeof(T) + 2 * sizeof(Acc)),
+                                            kBlock * sizeof(Acc), 2 * kBlock),
+                [&](Eigen::Index b0, Eigen::Index b1) {
+                  Eigen::Index b = b0;
+                  for (; b < b1 && ok.load(std::memory_order_relaxed); ++b) {
+                    const int64_t start = b * kBlock, len = std::min(kBlock, n - start);
+                    const T* gb = g + start;
+                    Acc* sb = s + start;
+                    if (!BlockFinite(gb, len)) {
+                      ok = false;
+                      break;
+                    }
+                    if (assign) {
+                      for (int64_t i = 0; i < len; ++i) sb[i] = f * static_cast<Acc>(gb[i]);
+                    } else {
+                      for (int64_t i = 0; i < len; ++i) sb[i] += f * static_cast<Acc>(gb[i]);
+                    }
+                  }
+                  std::lock_guard<std::mutex> lock(done_mu);
+                  done.emplace_back(b0, b);
+                });
+  if (ok) return true;
+  if (!assign) {
+    for (const auto& r : done) {
+      for (int64_t b = r.first; b < r.second; ++b) {
+        const int64_t start = b * kBlock, len = std::min(kBlock, n - start);
+        for (int64_t i = 0; i < len; ++i) s[start + i] -= f * static_cast<Acc>(g[start + i]);
+      }
+    }
+  }
+  return false;
+}
 
 class DenseBufferCreateOp : public OpKernel {
  public:
@@ -116,49 +191,48 @@ class DenseBufferPushOp : public OpKernel {
     const CPUDevice& d = ctx->eigen_device<CPUDevice>();
     auto g = grad.flat<T>();
 
-    // x * 0 is 0 for finite x and NaN otherwise: one parallel pass finds NaN and Inf.
-    bool finite = true;
-    if (g.size() > 0) {
-      Eigen::Tensor<Acc, 0, Eigen::RowMajor> probe;
-      probe.device(d) = (g.template cast<Acc>() * Acc(0)).sum();
-      finite = Eigen::numext::isfinite(probe());
+    const bool error_on_nonfinite = buf->core_.config().error_on_nonfinite;
+    if (error_on_nonfinite) {
+      // Checked before anything changes, so the push can be refused as a whole.
+      OP_REQUIRES(ctx, AllFiniteParallel(d, g.data(), g.size()),
+                  errors::InvalidArgument("Gradient pushed to ", buf->DebugString(),
+                                          " contains NaN or Inf (token ", token,
+                                          "). Lower the learning rate or clip gradients, or "
+                                          "create the buffer with nonfinite='drop' to skip such "
+                                          "pushes."));
     }
-    OP_REQUIRES(ctx, finite || !buf->core_.config().error_on_nonfinite,
-                errors::InvalidArgument("Gradient pushed to ", buf->DebugString(),
-                                        " contains NaN or Inf (token ", token,
-                                        "). Lower the learning rate or clip gradients, or create "
-                                        "the buffer with nonfinite='drop' to skip such pushes."));
 
-    bool ready = false, duplicate = false;
+    bool ready = false;
     bool out_valid = false;
     int64_t step_out, divisor = 1;
     Tensor out_sum;
     {
       std::lock_guard<std::mutex> lock(buf->mu);
       BufferCore& core = buf->core_;
-      if (!core.AcceptTicket(ticket)) {
-        duplicate = true;
-      } else {
+      if (core.AcceptTicket(ticket)) {  // a ticket seen before: the same push delivered again
         const int64_t staleness = core.step() - token;
         core.RecordStaleness(staleness);
-        const double f = finite ? core.config().decay.Weight(staleness) : 0.0;
-        if (!finite) ++core.stats().nonfinite;
+        double f = core.config().decay.Weight(staleness);
+        bool finite = true;
         if (f == 0.0) {
-          ++core.stats().dropped;
+          // Too stale: dropped whatever it holds. Look for NaN/Inf only to count it.
+          finite = AllFiniteParallel(d, g.data(), g.size());
         } else {
           if (!buf->sum_valid) {
             OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<Acc>::value, buf->shape(),
                                                    &buf->sum));
           }
-          auto s = buf->sum.flat<Acc>();
-          if (buf->sum_valid) {
-            s.device(d) += g.template cast<Acc>() * static_cast<Acc>(f);
+          finite = CheckedAccumulate(d, g.data(), buf->sum.flat<Acc>().data(), g.size(),
+                                     static_cast<Acc>(f), /*assign=*/!buf->sum_valid);
+          if (finite) {
+            buf->sum_valid = true;
+            ++buf->kept;
           } else {
-            s.device(d) = g.template cast<Acc>() * static_cast<Acc>(f);
+            f = 0.0;
           }
-          buf->sum_valid = true;
-          ++buf->kept;
         }
+        if (!finite) ++core.stats().nonfinite;
+        if (f == 0.0) ++core.stats().dropped;
         if (core.AddEntry(f != 0.0 || core.config().count_dropped)) {
           ready = true;
           out_valid = buf->sum_valid;
@@ -174,7 +248,6 @@ class DenseBufferPushOp : public OpKernel {
       }
       step_out = core.step();
     }
-    (void)duplicate;
 
     Tensor* ready_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &ready_t));
