@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Optional
 import tensorflow as tf
 
 from tf_gba.distribute import step_context
+from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.ops import gba_ops
 
 # mode -> what it means for the optimizer buffers (see `GBAStrategy.buffer_config`).
@@ -40,14 +41,20 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
       each gradient on arrival; staleness is still measured).
     num_aggregate: M for "gba". Default: taken from the GBA optimizer created under this
       strategy's scope, else the number of workers (SPEC: N_async = M).
+    stragglers: a straggler profile (see `tf_gba.distribute.stragglers`), applied as real delays
+      inside each worker's step; "none" by default.
+    straggler_seed: seed of the transient slowdowns.
   """
 
   def __init__(self, cluster_resolver, variable_partitioner=None, mode: str = "gba",
-               num_aggregate: Optional[int] = None):
+               num_aggregate: Optional[int] = None, stragglers: str = "none",
+               straggler_seed: int = 0):
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
     if num_aggregate is not None and num_aggregate < 1:
       raise ValueError(f"num_aggregate must be >= 1, got {num_aggregate}.")
+    self._gba_stragglers = stragglers_lib.parse(stragglers)
+    self._gba_straggler_seed = int(straggler_seed)
     super().__init__(cluster_resolver, variable_partitioner)
     spec = cluster_resolver.cluster_spec()
     self._gba_mode = mode
@@ -123,13 +130,29 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     reads = {name: fn() for name, fn in self._gba_pre_step_readers.items()}
     return step_context.StepInfo(token=token, ticket=ticket, reads=reads)
 
+  def worker_step_stats(self):
+    """Per worker: steps run, seconds busy and seconds of injected delay (read eagerly)."""
+    return stragglers_lib.worker_step_stats(self._gba_num_workers)
+
   def run(self, fn, args=(), kwargs=None, options=None):
-    """Like `ParameterServerStrategy.run`, with the token taken before `fn` reads parameters."""
+    """Like `ParameterServerStrategy.run`, with the token taken before `fn` reads parameters.
+
+    The step is also timed on its worker, which counts it and, under a straggler profile,
+    stretches it by the profile's factor before it returns.
+    """
 
     def step_fn(*a, **kw):
-      info = self._begin_step()
-      deps = [t for t in tf.nest.flatten([info.token, info.reads]) if t is not None]
+      start = stragglers_lib.step_begin()
+      with tf.control_dependencies([start]):
+        info = self._begin_step()
+      deps = [t for t in tf.nest.flatten([info.token, info.reads]) if t is not None] + [start]
       with step_context.scope(info), tf.control_dependencies(deps):
-        return fn(*a, **kw)
+        outputs = fn(*a, **kw)
+      done = [t for t in tf.nest.flatten(outputs) if isinstance(t, tf.Tensor)]
+      with tf.control_dependencies(done):
+        delay = stragglers_lib.step_end(start, self._gba_stragglers, self._gba_straggler_seed)
+      with tf.control_dependencies([delay]):
+        return tf.nest.map_structure(
+            lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, outputs)
 
     return super().run(step_fn, args=args, kwargs=kwargs, options=options)

@@ -236,3 +236,38 @@ REGISTER_OP("GBA>SparseBufferImport")
     .Doc("Restores the global step and row tags; discards pending entries.");
 
 }  // namespace tf_gba
+
+namespace tf_gba {
+
+// ---------------------------------------------------------------------------------------------
+// Straggler simulation and per-worker step counters (run on the worker executing the step).
+REGISTER_OP("GBA>StepBegin")
+    .Output("start_ns: int64")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
+    .Doc("Marks the start of a training step on this worker; returns a monotonic time in ns.");
+
+REGISTER_OP("GBA>StepEnd")
+    .Input("start_ns: int64")
+    .Output("delay_seconds: float")
+    .Attr("profile: string = 'none'")
+    .Attr("seed: int = 0")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
+    .Doc(R"doc(
+Ends a step on this worker: sleeps (factor - 1) x the step's own time, where factor is what the
+straggler profile gives this worker (read from the device's task index) at this step, and counts
+the step. Profiles: 'none'; 'persistent;<task>=<factor>,...'; 'transient;<p>;<factor>';
+'trace;<window seconds>;<task>=<f0>:<f1>:...,...'; several joined by '+', factors multiply.
+)doc");
+
+REGISTER_OP("GBA>WorkerStepStats")
+    .Output("stats: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(4));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("[steps, busy_ns, delay_ns, first_step_unix_ns] of this worker process.");
+
+}  // namespace tf_gba

@@ -1,0 +1,107 @@
+"""Straggler profiles: real, reproducible slowdowns inside each worker's step.
+
+A profile is chosen by a string (the training binary's `--stragglers` flag):
+
+  none                      no slowdown
+  persistent:3              worker 0 runs 3x slower; `persistent:3@0,2` workers 0 and 2
+  transient:0.2:4           every step of every worker is 4x slower with probability 0.2
+  trace:/path/trace.json    {"window_seconds": 5, "workers": {"1": [1, 3, 3, 1]}}: worker 1 is
+                            1x, 3x, 3x, then 1x slower in consecutive 5 s windows (the last
+                            factor holds afterwards)
+  transient:0.1:3+persistent:2@1   several at once; factors multiply
+
+A slowdown of s sleeps (s - 1) x the step's own measured time at the end of the step, on the
+worker itself (`GBA>StepEnd`), so the rest of the job sees exactly what a slow machine causes.
+Transient draws hash (seed, worker, step): the same seed gives the same slow steps.
+"""
+
+import json
+import os
+from typing import Dict, List
+
+import tensorflow as tf
+
+from tf_gba.ops import loader
+
+WORKER_DEVICE = "/job:worker/replica:0/task:{}/device:CPU:0"
+
+
+def _factor(text: str, what: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise ValueError(f"{what}: {text!r} is not a number.") from None
+  if value < 1.0:
+    raise ValueError(f"{what}: a slowdown factor must be >= 1, got {value}.")
+  return value
+
+
+def parse(spec: str) -> str:
+  """Turns a user's profile string into the op's canonical form; raises ValueError if bad."""
+  spec = (spec or "none").strip()
+  if spec == "none":
+    return "none"
+  parts: List[str] = []
+  for item in spec.split("+"):
+    kind, _, rest = item.strip().partition(":")
+    if kind == "persistent":
+      factor, _, workers = rest.partition("@")
+      f = _factor(factor, f"straggler profile {item!r}")
+      try:
+        ids = [int(w) for w in workers.split(",")] if workers else [0]
+      except ValueError:
+        raise ValueError(f"straggler profile {item!r}: workers after '@' must be integers, "
+                         "e.g. persistent:3@0,2") from None
+      parts.append("persistent;" + ",".join(f"{w}={f}" for w in ids))
+    elif kind == "transient":
+      fields = rest.split(":")
+      if len(fields) != 2:
+        raise ValueError(f"straggler profile {item!r}: expected transient:<p>:<factor>, "
+                         "e.g. transient:0.2:4")
+      p = float(fields[0])
+      if not 0.0 <= p <= 1.0:
+        raise ValueError(f"straggler profile {item!r}: probability must be in [0, 1].")
+      parts.append(f"transient;{p};{_factor(fields[1], item)}")
+    elif kind == "trace":
+      if not os.path.exists(rest):
+        raise ValueError(f"straggler trace file {rest!r} does not exist.")
+      with open(rest) as f:
+        trace = json.load(f)
+      window = float(trace.get("window_seconds", 0))
+      workers: Dict[str, List[float]] = trace.get("workers", {})
+      if window <= 0 or not isinstance(workers, dict):
+        raise ValueError(f"straggler trace {rest!r}: needs a positive 'window_seconds' and a "
+                         "'workers' object mapping worker index to a list of factors.")
+      entries = []
+      for w, factors in workers.items():
+        fs = [_factor(str(x), f"trace {rest!r} worker {w}") for x in factors]
+        entries.append(f"{int(w)}=" + ":".join(str(x) for x in fs))
+      parts.append(f"trace;{window};" + ",".join(entries))
+    else:
+      raise ValueError(f"Unknown straggler profile {item!r}; expected none, persistent:<factor>"
+                       "[@workers], transient:<p>:<factor> or trace:<file.json> (join several "
+                       "with '+').")
+  return "+".join(parts)
+
+
+def _ops():
+  return loader.load_op_library("gba")
+
+
+def step_begin():
+  return _ops().gba_step_begin()
+
+
+def step_end(start_ns, profile: str, seed: int):
+  return _ops().gba_step_end(start_ns, profile=profile, seed=seed)
+
+
+def worker_step_stats(num_workers: int) -> List[dict]:
+  """Reads each worker process's step counters (eagerly, from the coordinator)."""
+  out = []
+  for i in range(num_workers):
+    with tf.device(WORKER_DEVICE.format(i)):
+      steps, busy, delay, first = [int(x) for x in _ops().gba_worker_step_stats().numpy()]
+    out.append({"worker": i, "steps": steps, "busy_seconds": busy * 1e-9,
+                "delay_seconds": delay * 1e-9, "first_step_unix": first * 1e-9})
+  return out
