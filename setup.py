@@ -102,6 +102,8 @@ setup(
         "tensorflow-recommenders==0.7.7",
         "numpy>=1.26",
         "absl-py>=2.1",
+        "tensorboard>=2.21",
+        "matplotlib>=3.8",
     ],
     extras_require={"test": ["pytest==9.2.0"]},
     ext_modules=_op_libraries(),

@@ -286,6 +286,7 @@ class GBA(keras.optimizers.Optimizer):
         "num_aggregate": self._num_aggregate,
         "global_step": int(self.iterations.numpy()),
         "dense": first_dense.as_dict() if first_dense else None,
+        "dense_all_variables": gba_ops.merge_stats(dense).as_dict() if dense else None,
         "sparse": gba_ops.merge_stats(sparse).as_dict() if sparse else None,
         "tokens_fetched": int(self._token_source().count().numpy()) if self._built else 0,
     }

@@ -1,0 +1,84 @@
+"""Embedding tables shared by all fields, to keep the number of variables small.
+
+On parameter servers every trainable variable costs one gradient push per step, so the models keep
+all categorical fields in ONE table: field `f` owns rows `[offset_f, offset_f + vocab_f)` and its
+ids are shifted by `offset_f` before the lookup. The table is an ordinary layer weight, so a
+`ParameterServerStrategy` `variable_partitioner` shards it across parameter servers, and its
+gradient is an `IndexedSlices` (a gather, never a one-hot matmul).
+"""
+
+from typing import Mapping
+
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+
+@keras.utils.register_keras_serializable(package="tf_gba")
+class FieldEmbedding(keras.layers.Layer):
+  """Looks up every categorical field of a feature dict in one shared table.
+
+  Args:
+    vocab_sizes: feature name -> vocabulary size, in field order.
+    output_dim: width of each row.
+    embeddings_initializer: initializer of the table.
+
+  Call with the feature dict (int64 ids [batch] per name); returns [batch, fields, output_dim].
+
+  Example:
+
+    layer = FieldEmbedding({"user": 10, "item": 20}, output_dim=4)
+    layer({"user": tf.constant([1, 2]), "item": tf.constant([0, 19])}).shape  # [2, 2, 4]
+  """
+
+  def __init__(self, vocab_sizes: Mapping[str, int], output_dim: int,
+               embeddings_initializer="uniform", **kwargs):
+    super().__init__(**kwargs)
+    self.vocab_sizes = dict(vocab_sizes)
+    self.output_dim = output_dim
+    self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+    sizes = np.array(list(self.vocab_sizes.values()), np.int64)
+    self._offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    self.total_rows = int(sizes.sum())
+
+  def build(self, input_shape):
+    self.embeddings = self.add_weight(
+        name="embeddings", shape=(self.total_rows, self.output_dim),
+        initializer=self.embeddings_initializer, trainable=True)
+    super().build(input_shape)
+
+  def call(self, features):
+    ids = tf.stack([tf.cast(features[name], tf.int64) for name in self.vocab_sizes], axis=1)
+    return tf.nn.embedding_lookup(self.embeddings, ids + self._offsets)
+
+  def get_config(self):
+    return {**super().get_config(), "vocab_sizes": self.vocab_sizes,
+            "output_dim": self.output_dim,
+            "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer)}
+
+
+@keras.utils.register_keras_serializable(package="tf_gba")
+class NumericEmbedding(keras.layers.Layer):
+  """Gives each numeric field a vector scaled by its value: [batch, n] -> [batch, n, output_dim].
+
+  This lets numeric fields take part in field interactions (FM) like categorical ones, with one
+  small dense variable for all of them.
+  """
+
+  def __init__(self, output_dim: int, embeddings_initializer="uniform", **kwargs):
+    super().__init__(**kwargs)
+    self.output_dim = output_dim
+    self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+
+  def build(self, input_shape):
+    self.embeddings = self.add_weight(
+        name="embeddings", shape=(int(input_shape[-1]), self.output_dim),
+        initializer=self.embeddings_initializer, trainable=True)
+    super().build(input_shape)
+
+  def call(self, values):
+    return values[:, :, None] * self.embeddings
+
+  def get_config(self):
+    return {**super().get_config(), "output_dim": self.output_dim,
+            "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer)}

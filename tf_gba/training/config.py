@@ -1,0 +1,67 @@
+"""What one training run is asked to do, validated before anything starts."""
+
+import dataclasses
+from typing import Optional
+
+from tf_gba.distribute import stragglers as stragglers_lib
+
+PS_MODES = ("gba", "async")
+MODEL_NAMES = ("deepfm", "dcn", "youtube_dnn")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """Flags of the training binary; see examples/train.py for each one's meaning."""
+  mode: str = "gba"
+  model: str = "deepfm"
+  data: str = "synthetic"
+  num_ps: int = 1
+  num_workers: int = 4
+  global_batch_size: Optional[int] = None
+  local_batch_size: int = 256
+  staleness_threshold: int = 3
+  stragglers: str = "none"
+  straggler_seed: int = 0
+  steps: int = 2000
+  model_dir: str = "/tmp/tf_gba_train"
+  eval_every: int = 0
+  log_every: int = 100
+  learning_rate: float = 0.001
+  embedding_dim: int = 8
+  eval_examples: int = 20000
+  day: Optional[int] = None
+  seed: int = 0
+  strict_data: bool = False
+
+  def validate(self) -> None:
+    if self.mode not in PS_MODES:
+      raise ValueError(f"--mode must be one of {PS_MODES}, got {self.mode!r}.")
+    if self.model not in MODEL_NAMES:
+      raise ValueError(f"--model must be one of {MODEL_NAMES}, got {self.model!r}.")
+    for name in ("num_ps", "num_workers", "local_batch_size", "steps", "log_every",
+                 "embedding_dim"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+    if self.eval_every < 0:
+      raise ValueError(f"--eval_every must be >= 0 (0: only at the end), got {self.eval_every}.")
+    if self.staleness_threshold < 0:
+      raise ValueError(f"--staleness_threshold must be >= 0, got {self.staleness_threshold}.")
+    if not self.learning_rate > 0:
+      raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
+    if self.global_batch_size is not None:
+      if self.global_batch_size % self.local_batch_size:
+        raise ValueError(
+            f"--global_batch_size={self.global_batch_size} is not a multiple of "
+            f"--local_batch_size={self.local_batch_size}: GBA aggregates a whole number "
+            "M = global / local of local batches per step. Pick sizes that divide.")
+    stragglers_lib.parse(self.stragglers)  # raises with a message on a bad profile
+
+  @property
+  def global_batch(self) -> int:
+    """The synchronous global batch GBA keeps: default local batch x workers."""
+    return self.global_batch_size or self.local_batch_size * self.num_workers
+
+  @property
+  def num_aggregate(self) -> int:
+    """M: local batches per global step (1 in async mode, where every push is a step)."""
+    return 1 if self.mode == "async" else self.global_batch // self.local_batch_size

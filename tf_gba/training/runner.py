@@ -1,0 +1,257 @@
+"""The main job: a CTR model trained on a parameter-server cluster in one of the modes.
+
+`run(config)` starts (or joins) the cluster, builds the model under a `GBAStrategy`, restores from
+`model_dir` if a checkpoint is there, trains with `model.fit`, evaluates, and returns the summary it
+also prints and writes to `model_dir/summary.json` (TensorBoard scalars go to
+`model_dir/tensorboard`).
+"""
+
+import contextlib
+import json
+import math
+import os
+import time
+from typing import Optional
+
+from absl import logging as absl_logging
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+from tf_gba import data as data_lib
+from tf_gba import models as models_lib
+from tf_gba.distribute import GBAStrategy
+from tf_gba.distribute import LocalCluster
+from tf_gba.optimizers import GBA
+from tf_gba.training import metrics
+from tf_gba.training.config import TrainConfig
+
+
+def _log(msg: str) -> None:
+  print(msg, flush=True)
+
+
+def _partitioner(num_ps: int):
+  # Shard what is big (the embedding table), leave small dense layers whole: each shard costs one
+  # buffer push per step.
+  return tf.distribute.experimental.partitioners.MinSizePartitioner(
+      min_shard_bytes=256 << 10, max_shards=num_ps)
+
+
+@contextlib.contextmanager
+def _cluster(config: TrainConfig):
+  """The local multi-process cluster, or the one TF_CONFIG describes (this task: the chief)."""
+  if os.environ.get("TF_CONFIG"):
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    yield resolver, None
+    return
+  with LocalCluster(num_ps=config.num_ps, num_workers=config.num_workers) as cluster:
+    yield cluster.resolver(), cluster
+
+
+class _Progress(keras.callbacks.Callback):
+  """Prints progress, writes TensorBoard scalars and evaluates every `eval_every` steps."""
+
+  def __init__(self, job: "_Job"):
+    super().__init__()
+    self._job = job
+    self._t0 = time.time()
+    self._last_eval = 0
+    self.warm = None  # (time, steps, per-worker stats) after the first interval (tracing, start-up)
+
+  def on_epoch_end(self, epoch, logs=None):
+    job = self._job
+    steps = (epoch + 1) * job.config.log_every
+    elapsed = time.time() - self._t0
+    stats = job.optimizer.stats()
+    dense = stats["dense"] or {}
+    loss = (logs or {}).get("loss", float("nan"))
+    qps = steps * job.config.local_batch_size / max(elapsed, 1e-9)
+    workers = job.strategy.worker_step_stats()
+    if self.warm is None:
+      self.warm = (time.time(), steps, workers)
+    _log(f"step {steps}/{job.config.steps}  global step {stats['global_step']}  "
+         f"loss {loss:.4f}  QPS {qps:,.0f}  staleness mean {dense.get('mean_staleness', 0):.2f} "
+         f"max {dense.get('staleness_max', 0)}  dropped batches {dense.get('dropped', 0)}")
+    with job.writer.as_default(step=steps):
+      tf.summary.scalar("train/loss", loss)
+      tf.summary.scalar("train/global_qps", qps)
+      tf.summary.scalar("gba/mean_staleness", dense.get("mean_staleness", 0.0))
+      tf.summary.scalar("gba/max_staleness", dense.get("staleness_max", 0))
+      tf.summary.scalar("gba/dropped_batches", dense.get("dropped", 0))
+      for w in workers:
+        tf.summary.scalar(f"workers/qps_{w['worker']}",
+                          w["steps"] * job.config.local_batch_size / max(elapsed, 1e-9))
+      if job.config.eval_every and steps - self._last_eval >= job.config.eval_every:
+        self._last_eval = steps
+        result = job.evaluate()
+        tf.summary.scalar("eval/auc", result["auc"])
+        tf.summary.scalar("eval/logloss", result["logloss"])
+        _log(f"  eval at step {steps}: AUC {result['auc']:.4f}  logloss {result['logloss']:.4f}")
+    job.writer.flush()
+
+
+class _Job:
+  """Everything built for one run, so callbacks and evaluation can reach it."""
+
+  def __init__(self, config: TrainConfig, strategy: GBAStrategy):
+    self.config = config
+    self.strategy = strategy
+    self.info = data_lib.data_info(config.data)
+    with strategy.scope():
+      self.model = models_lib.build_model(config.model, self.info,
+                                          embedding_dim=config.embedding_dim, seed=config.seed)
+      self.optimizer = GBA(keras.optimizers.Adam(config.learning_rate),
+                           num_aggregate=config.num_aggregate,
+                           staleness_threshold=config.staleness_threshold)
+      self.model.compile(self.optimizer, loss=keras.losses.BinaryCrossentropy())
+    # Slots before restoring: a deferred restore of sharded slots cannot run on the PS.
+    self.optimizer.build(self.model.trainable_variables)
+    self.checkpoint = tf.train.Checkpoint(model=self.model)
+    self.manager = tf.train.CheckpointManager(self.checkpoint, config.model_dir, max_to_keep=3)
+    self.restored_from = None
+    if self.manager.latest_checkpoint:
+      self.checkpoint.restore(self.manager.latest_checkpoint).expect_partial()
+      self.restored_from = self.manager.latest_checkpoint
+    self.writer = tf.summary.create_file_writer(os.path.join(config.model_dir, "tensorboard"))
+    self._eval_model = None
+    self._eval_data = None
+
+  def dataset_fn(self, ctx: Optional[tf.distribute.InputContext]):
+    cfg = self.config
+    return data_lib.make_dataset(
+        cfg.data, split="train", batch_size=cfg.local_batch_size,
+        num_shards=ctx.num_input_pipelines if ctx else 1,
+        shard_index=ctx.input_pipeline_id if ctx else 0, day=cfg.day, repeat=True,
+        shuffle_seed=cfg.seed, strict=cfg.strict_data)
+
+  def evaluate(self) -> dict:
+    """AUC and logloss on the eval split, with the current parameters copied to this process."""
+    cfg = self.config
+    if self._eval_model is None:
+      # Outside the strategy: the same model, unsharded; a checkpoint of the sharded one
+      # restores into it (TF saves sharded variables whole).
+      self._eval_model = models_lib.build_model(cfg.model, self.info,
+                                                embedding_dim=cfg.embedding_dim, seed=cfg.seed)
+      batches = max(1, math.ceil(cfg.eval_examples / 1024))
+      ds = data_lib.make_dataset(cfg.data, split="eval", batch_size=1024, day=cfg.day,
+                                 shuffle_seed=None, strict=cfg.strict_data).take(batches)
+      feats, labels = [], []
+      for x, y in ds:
+        feats.append(x)
+        labels.append(y.numpy())
+      self._eval_data = (feats, np.concatenate(labels) if labels else np.zeros(0))
+    path = self.checkpoint.write(os.path.join(self.config.model_dir, "eval_snapshot", "ckpt"))
+    tf.train.Checkpoint(model=self._eval_model).read(path).expect_partial()
+    feats, labels = self._eval_data
+    probs = np.concatenate([self._eval_model(x, training=False).numpy().ravel() for x in feats])
+    return {"auc": metrics.auc(labels, probs), "logloss": metrics.logloss(labels, probs),
+            "examples": int(len(labels))}
+
+
+def run(config: TrainConfig) -> dict:
+  """Trains as `config` says and returns the summary."""
+  config.validate()
+  # TensorFlow's own INFO lines (cluster specs, closures) would bury the progress lines.
+  tf.get_logger().setLevel("WARNING")
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  os.makedirs(config.model_dir, exist_ok=True)
+  with _cluster(config) as (resolver, _):
+    strategy = GBAStrategy(resolver, variable_partitioner=_partitioner(config.num_ps),
+                           mode=config.mode, num_aggregate=config.num_aggregate,
+                           stragglers=config.stragglers, straggler_seed=config.straggler_seed)
+    job = _Job(config, strategy)
+    start_step = int(job.optimizer.iterations.numpy())
+    _log(f"tf_gba: mode={config.mode} model={config.model} data={config.data} "
+         f"ps={strategy.num_ps} workers={strategy.num_workers} M={config.num_aggregate} "
+         f"local batch={config.local_batch_size} global batch={config.global_batch} "
+         f"stragglers={config.stragglers}"
+         + (f" restored from {job.restored_from} (global step {start_step})"
+            if job.restored_from else ""))
+    epochs = math.ceil(config.steps / config.log_every)
+    progress = _Progress(job)
+    t0 = time.time()
+    history = job.model.fit(keras.utils.experimental.DatasetCreator(job.dataset_fn),
+                            epochs=epochs, steps_per_epoch=config.log_every, verbose=0,
+                            callbacks=[progress])
+    t1 = time.time()
+    worker_stats = strategy.worker_step_stats()
+    # Throughput over the steady state: the first interval pays for tracing and start-up.
+    if epochs > 1 and progress.warm is not None:
+      warm_time, warm_steps, warm_workers = progress.warm
+      wall, steps_measured = t1 - warm_time, epochs * config.log_every - warm_steps
+      for w, w0 in zip(worker_stats, warm_workers):
+        w["measured_steps"] = w["steps"] - w0["steps"]
+    else:
+      wall, steps_measured = t1 - t0, epochs * config.log_every
+      for w in worker_stats:
+        w["measured_steps"] = w["steps"]
+    stats = job.optimizer.stats()
+    evaluation = job.evaluate()
+    saved = job.manager.save()
+    summary = _summary(config, strategy, history, stats, worker_stats, evaluation, wall,
+                       steps_measured, t1 - t0, start_step, saved)
+    with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+    with job.writer.as_default(step=epochs * config.log_every):
+      tf.summary.scalar("eval/auc", evaluation["auc"])
+      tf.summary.scalar("eval/logloss", evaluation["logloss"])
+    job.writer.flush()
+    print_summary(summary)
+    return summary
+
+
+def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, steps_measured,
+             total_wall, start_step, saved) -> dict:
+  steps_run = config.log_every * len(history.history.get("loss", []))
+  dense = stats["dense"] or {}
+  dense_all = stats["dense_all_variables"] or {}
+  sparse = stats["sparse"] or {}
+  per_worker = [{"worker": w["worker"], "steps": w["steps"],
+                 "qps": w["measured_steps"] * config.local_batch_size / wall,
+                 "injected_delay_seconds": round(w["delay_seconds"], 3)} for w in worker_stats]
+  return {
+      "mode": config.mode, "model": config.model, "data": config.data,
+      "num_ps": strategy.num_ps, "num_workers": strategy.num_workers,
+      "num_aggregate": config.num_aggregate, "local_batch_size": config.local_batch_size,
+      "global_batch_size": config.global_batch, "stragglers": config.stragglers,
+      "steps": steps_run, "examples": steps_run * config.local_batch_size,
+      "wall_seconds": total_wall,
+      "global_qps": steps_measured * config.local_batch_size / wall,
+      "qps_measured_over_steps": steps_measured,
+      "per_worker": per_worker,
+      "global_step": stats["global_step"], "start_global_step": start_step,
+      "mean_staleness": dense.get("mean_staleness", 0.0),
+      "max_staleness": dense.get("staleness_max", 0),
+      "staleness_histogram": dense.get("histogram", []),
+      "dropped_batches": dense.get("dropped", 0),
+      "dropped_gradients": dense_all.get("dropped", 0),
+      "dropped_embedding_rows": sparse.get("dropped", 0),
+      "nonfinite_gradients": dense_all.get("nonfinite", 0) + sparse.get("nonfinite", 0),
+      "duplicate_pushes": dense.get("duplicates", 0),
+      "final_train_loss": history.history["loss"][-1] if history.history.get("loss") else None,
+      "eval_auc": evaluation["auc"], "eval_logloss": evaluation["logloss"],
+      "eval_examples": evaluation["examples"], "checkpoint": saved,
+  }
+
+
+def print_summary(s: dict) -> None:
+  lines = [
+      "=" * 72,
+      f"summary ({s['mode']}, {s['model']}, {s['data']}): {s['steps']} worker steps, "
+      f"{s['examples']:,} examples in {s['wall_seconds']:.1f} s",
+      f"  global QPS            {s['global_qps']:,.0f}  (over the last "
+      f"{s['qps_measured_over_steps']} steps, after start-up)",
+      "  per-worker QPS        " + "  ".join(f"w{w['worker']}={w['qps']:,.0f}"
+                                           for w in s["per_worker"]),
+      f"  global step           {s['global_step']} (M={s['num_aggregate']}, started at "
+      f"{s['start_global_step']})",
+      f"  dense staleness       mean {s['mean_staleness']:.2f}  max {s['max_staleness']}",
+      f"  dropped batches       {s['dropped_batches']}  (dropped gradients over all variables "
+      f"{s['dropped_gradients']}, embedding rows {s['dropped_embedding_rows']})",
+      f"  eval AUC              {s['eval_auc']:.4f}",
+      f"  eval logloss          {s['eval_logloss']:.4f}",
+      f"  checkpoint            {s['checkpoint']}",
+      "=" * 72,
+  ]
+  _log("\n".join(lines))
