@@ -1,0 +1,66 @@
+"""LocalCluster: real server processes that never outlive their job."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tf_gba.distribute import LocalCluster
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  # A zombie still answers kill(0); it has exited all the same.
+  with open(f"/proc/{pid}/stat") as f:
+    return f.read().split()[2] != "Z"
+
+
+def _wait_dead(pids, timeout=20.0):
+  deadline = time.time() + timeout
+  while time.time() < deadline and any(_alive(p) for p in pids):
+    time.sleep(0.2)
+  return [p for p in pids if _alive(p)]
+
+
+def test_servers_stop_when_the_block_raises():
+  pids = []
+  with pytest.raises(RuntimeError, match="training failed"):
+    with LocalCluster(num_ps=1, num_workers=2) as cluster:
+      pids = cluster.pids
+      assert len(pids) == 3 and all(_alive(p) for p in pids)
+      assert "TF_GBA_SERVER_READY" in cluster.log("ps:0")
+      raise RuntimeError("training failed")
+  assert _wait_dead(pids) == []
+
+
+def test_servers_exit_when_the_launcher_is_killed():
+  # The launcher dies without any cleanup (SIGKILL); its servers notice and exit by themselves.
+  code = ("import sys, time\n"
+          "from tf_gba.distribute import LocalCluster\n"
+          "c = LocalCluster(num_ps=1, num_workers=1).start()\n"
+          "print(' '.join(map(str, c.pids)), flush=True)\n"
+          "time.sleep(600)\n")
+  proc = subprocess.Popen([sys.executable, "-c", code], cwd=_ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
+  try:
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  assert _wait_dead(pids) == []
+
+
+def test_bad_sizes_are_refused():
+  with pytest.raises(ValueError, match="num_workers"):
+    LocalCluster(num_ps=1, num_workers=0)
+  with pytest.raises(ValueError, match="num_ps"):
+    LocalCluster(num_ps=0, num_workers=1)

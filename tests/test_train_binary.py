@@ -1,0 +1,92 @@
+"""The training binary: main() with flags, on small data, asserting on what it wrote."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+from absl import app
+from absl import flags
+
+from tests import shared_data
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_binary():
+  spec = importlib.util.spec_from_file_location(
+      "tf_gba_train_binary", os.path.join(_ROOT, "examples", "train.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  module.define_flags()
+  return module
+
+
+train = _load_binary()
+FLAGS = flags.FLAGS
+
+
+@pytest.fixture(autouse=True)
+def _flags():
+  FLAGS.unparse_flags()
+  FLAGS(["train.py"])
+  yield
+  FLAGS.unparse_flags()
+
+
+def _run(tmp_path, **overrides):
+  values = dict(num_workers=2, steps=40, log_every=20, local_batch_size=128,
+                eval_examples=2048, model_dir=str(tmp_path / "model"), stragglers="none")
+  values.update(overrides)
+  for k, v in values.items():
+    setattr(FLAGS, k, v)
+  return train.main(["train.py"])
+
+
+def _check_summary(model_dir, summary, mode, m):
+  with open(os.path.join(model_dir, "summary.json")) as f:
+    written = json.load(f)
+  assert written["mode"] == mode
+  assert written == json.loads(json.dumps(summary))
+  assert summary["steps"] == 40
+  assert summary["global_step"] - summary["start_global_step"] == 40 // m
+  assert 0.0 <= summary["eval_auc"] <= 1.0 and summary["eval_logloss"] > 0
+  assert summary["global_qps"] > 0 and len(summary["per_worker"]) == 2
+  assert sum(w["steps"] for w in summary["per_worker"]) >= 40
+  assert os.path.exists(summary["checkpoint"] + ".index")
+  assert os.listdir(os.path.join(model_dir, "tensorboard"))
+
+
+@pytest.mark.parametrize("mode,model,m", [("gba", "deepfm", 2), ("async", "dcn", 1),
+                                          ("gba", "youtube_dnn", 2)])
+def test_each_mode_and_model(tmp_path, mode, model, m):
+  summary = _run(tmp_path, mode=mode, model=model)
+  _check_summary(str(tmp_path / "model"), summary, mode, m)
+  assert summary["model"] == model
+
+
+def test_restores_from_model_dir(tmp_path):
+  first = _run(tmp_path)
+  second = _run(tmp_path, steps=20)
+  assert second["start_global_step"] == first["global_step"] == 20
+  assert second["global_step"] == 30
+
+
+def test_bad_flag_combination_is_refused(tmp_path):
+  with pytest.raises(app.UsageError, match="not a multiple"):
+    _run(tmp_path, global_batch_size=1000, local_batch_size=300)
+  with pytest.raises(app.UsageError, match="straggler"):
+    _run(tmp_path, global_batch_size=None, stragglers="sometimes")
+
+
+def test_trains_on_real_criteo_rows(tmp_path):
+  path = shared_data.require("criteo_sample")
+  summary = _run(tmp_path, data=f"criteo:{path}", model="dcn")
+  assert summary["eval_examples"] == 2000  # the eval_2k file
+  assert summary["global_step"] == 20
+
+
+def test_trains_on_real_movielens(tmp_path):
+  path = shared_data.require("movielens_100k")
+  summary = _run(tmp_path, data=f"movielens100k:{path}", mode="async")
+  assert summary["global_step"] == 40 and summary["eval_examples"] > 1000
