@@ -19,15 +19,28 @@ $(STAMP): requirements.txt | $(PY)
 
 venv: $(STAMP)
 
-# Builds the op libraries in place (tf_gba/ops/_*_ops*.so) and installs the package in editable mode.
-build: $(STAMP)
+EDITABLE := $(VENV)/.tf_gba-editable
+
+# Installs the package in editable mode once (this compiles the op libraries).
+$(EDITABLE): setup.py $(STAMP)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $(EDITABLE)
+
+# Builds the op libraries in place (tf_gba/ops/_*_ops*.so); only changed sources are recompiled.
+build: $(EDITABLE)
 	$(PY) setup.py -q build_ext --inplace
 
 test: build
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
+# The main job: DeepFM on synthetic data with GBA, 1 PS + 4 worker processes on 127.0.0.1, under
+# transient stragglers (every step 4x slower with p=0.2) plus worker 0 persistently 2x slower.
+DEMO_ARGS ?= --mode=gba --model=deepfm --data=synthetic --num_ps=1 --num_workers=4 \
+	--stragglers=transient:0.2:4+persistent:2@0 --steps=2000 --log_every=250 --eval_every=1000 \
+	--model_dir=runs/demo
+
 demo: build
+	rm -rf runs/demo
 	$(PY) examples/train.py $(DEMO_ARGS)
 
 bench: build

@@ -55,7 +55,9 @@ class BuildTfOps(build_ext):
     subprocess.check_call(cmd, cwd=ROOT)
 
   def _compile(self, ext, source):
-    obj = os.path.join(self.build_temp, ext.name, source.replace(os.sep, "_") + ".o")
+    # One object cache in the source tree for every way of building (pip's editable install,
+    # build_ext --inplace): each source is compiled once and rebuilt only when it changes.
+    obj = os.path.join(ROOT, "build", "objs", ext.name, source.replace(os.sep, "_") + ".o")
     os.makedirs(os.path.dirname(obj), exist_ok=True)
     src = os.path.join(ROOT, source)
     if os.path.exists(obj) and os.path.getmtime(obj) >= max(

@@ -32,6 +32,30 @@ class TrainConfig:
   day: Optional[int] = None
   seed: int = 0
   strict_data: bool = False
+  data_options: str = ""
+
+  def data_kwargs(self) -> dict:
+    """`--data_options` ("key=value,...") as keyword arguments of the data source.
+
+    The synthetic source defaults to 200,000 examples per day here (its library default is small,
+    for tests), so the default run does not cycle over a few thousand examples and overfit.
+    """
+    out = {}
+    for item in filter(None, (x.strip() for x in self.data_options.split(","))):
+      key, sep, value = item.partition("=")
+      if not sep or not key:
+        raise ValueError(f"--data_options: expected key=value pairs separated by commas, got "
+                         f"{item!r}.")
+      for cast in (int, float):
+        try:
+          value = cast(value)
+          break
+        except ValueError:
+          continue
+      out[key.strip()] = value
+    if self.data.strip().lower() == "synthetic":
+      out.setdefault("num_examples", 200_000)
+    return out
 
   def validate(self) -> None:
     if self.mode not in PS_MODES:
@@ -55,6 +79,7 @@ class TrainConfig:
             f"--local_batch_size={self.local_batch_size}: GBA aggregates a whole number "
             "M = global / local of local batches per step. Pick sizes that divide.")
     stragglers_lib.parse(self.stragglers)  # raises with a message on a bad profile
+    self.data_kwargs()
 
   @property
   def global_batch(self) -> int:

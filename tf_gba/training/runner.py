@@ -97,7 +97,8 @@ class _Job:
   def __init__(self, config: TrainConfig, strategy: GBAStrategy):
     self.config = config
     self.strategy = strategy
-    self.info = data_lib.data_info(config.data)
+    self.data_kwargs = config.data_kwargs()
+    self.info = data_lib.data_info(config.data, **self.data_kwargs)
     with strategy.scope():
       self.model = models_lib.build_model(config.model, self.info,
                                           embedding_dim=config.embedding_dim, seed=config.seed)
@@ -123,7 +124,7 @@ class _Job:
         cfg.data, split="train", batch_size=cfg.local_batch_size,
         num_shards=ctx.num_input_pipelines if ctx else 1,
         shard_index=ctx.input_pipeline_id if ctx else 0, day=cfg.day, repeat=True,
-        shuffle_seed=cfg.seed, strict=cfg.strict_data)
+        shuffle_seed=cfg.seed, strict=cfg.strict_data, **self.data_kwargs)
 
   def evaluate(self) -> dict:
     """AUC and logloss on the eval split, with the current parameters copied to this process."""
@@ -135,7 +136,8 @@ class _Job:
                                                 embedding_dim=cfg.embedding_dim, seed=cfg.seed)
       batches = max(1, math.ceil(cfg.eval_examples / 1024))
       ds = data_lib.make_dataset(cfg.data, split="eval", batch_size=1024, day=cfg.day,
-                                 shuffle_seed=None, strict=cfg.strict_data).take(batches)
+                                 shuffle_seed=None, strict=cfg.strict_data,
+                                 **self.data_kwargs).take(batches)
       feats, labels = [], []
       for x, y in ds:
         feats.append(x)
