@@ -44,7 +44,8 @@ demo: build
 	$(PY) examples/train.py $(DEMO_ARGS)
 
 bench: build
-	$(PY) -m benchmarks.run_all $(BENCH_ARGS)
+	$(PY) -m benchmarks.buffer_bandwidth
+	$(PY) -m benchmarks.mode_qps $(BENCH_ARGS)
 
 clean:
 	rm -rf build *.egg-info tf_gba/ops/_*_ops*.so tf_gba/ops/_build_info.py

@@ -52,6 +52,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("day", None, "Train and evaluate on one day of day-split data.")
   flags.DEFINE_integer("seed", 0, "Seed of the model and the input order.")
   flags.DEFINE_bool("strict_data", False, "Fail on a malformed data row instead of skipping it.")
+  flags.DEFINE_bool("async_staleness_stats", True,
+                    "In async mode, push through GBA buffers with M=1 to measure staleness; "
+                    "false: the bare optimizer (plain ParameterServerStrategy async).")
   flags.DEFINE_string("data_options", "",
                       "Options of the data source as key=value,... e.g. num_examples=500000,"
                       "num_days=3,drift=0.2 (synthetic), vocab_size=100000 (criteo), num_days=7 "
@@ -80,7 +83,8 @@ def main(argv=None):
       model_dir=FLAGS.model_dir, eval_every=FLAGS.eval_every, log_every=FLAGS.log_every,
       learning_rate=FLAGS.learning_rate, embedding_dim=FLAGS.embedding_dim,
       eval_examples=FLAGS.eval_examples, day=FLAGS.day, seed=FLAGS.seed,
-      strict_data=FLAGS.strict_data, data_options=FLAGS.data_options)
+      strict_data=FLAGS.strict_data, data_options=FLAGS.data_options,
+      async_staleness_stats=FLAGS.async_staleness_stats)
   try:
     config.validate()
   except ValueError as e:

@@ -33,6 +33,9 @@ class TrainConfig:
   seed: int = 0
   strict_data: bool = False
   data_options: str = ""
+  # Async mode keeps the GBA wrapper with M = 1 (every push applied at once) to measure staleness;
+  # False runs the bare inner optimizer, ParameterServerStrategy's own asynchronous training.
+  async_staleness_stats: bool = True
 
   def data_kwargs(self) -> dict:
     """`--data_options` ("key=value,...") as keyword arguments of the data source.

@@ -102,9 +102,12 @@ class _Job:
     with strategy.scope():
       self.model = models_lib.build_model(config.model, self.info,
                                           embedding_dim=config.embedding_dim, seed=config.seed)
-      self.optimizer = GBA(keras.optimizers.Adam(config.learning_rate),
-                           num_aggregate=config.num_aggregate,
-                           staleness_threshold=config.staleness_threshold)
+      inner = keras.optimizers.Adam(config.learning_rate)
+      if config.mode == "async" and not config.async_staleness_stats:
+        self.optimizer = inner
+      else:
+        self.optimizer = GBA(inner, num_aggregate=config.num_aggregate,
+                             staleness_threshold=config.staleness_threshold)
       self.model.compile(self.optimizer, loss=keras.losses.BinaryCrossentropy())
     # Slots before restoring: a deferred restore of sharded slots cannot run on the PS.
     self.optimizer.build(self.model.trainable_variables)
@@ -201,6 +204,14 @@ def run(config: TrainConfig) -> dict:
     job.writer.flush()
     print_summary(summary)
     return summary
+
+
+def _optimizer_stats(optimizer) -> dict:
+  if isinstance(optimizer, GBA):
+    return optimizer.stats()
+  # The bare optimizer (plain async): no buffers, so no staleness or drop counters.
+  return {"global_step": int(optimizer.iterations.numpy()), "dense": None,
+          "dense_all_variables": None, "sparse": None}
 
 
 def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, steps_measured,

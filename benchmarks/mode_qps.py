@@ -1,0 +1,90 @@
+"""Global QPS of the training modes on the demo setup, side by side in one run.
+
+  python -m benchmarks.mode_qps [--modes=gba,async,async_plain] [--stragglers=none,transient]
+                                [--steps=1500] [--repeats=1] [--out=runs/bench_mode_qps]
+
+Each configuration is a fresh run of examples/train.py (DeepFM, synthetic data, 1 PS + 4 workers
+on 127.0.0.1) in its own process; configurations are interleaved (all modes of one repeat before
+the next repeat) so slow drifts of the machine hit every mode alike. "async_plain" is
+ParameterServerStrategy's own async training with the bare optimizer; "async" pushes through GBA
+buffers with M=1 to measure staleness. QPS is measured after the first log interval (start-up).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+PROFILES = {"none": "none", "transient": "transient:0.2:4+persistent:2@0"}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_one(mode: str, profile: str, steps: int, model_dir: str, extra) -> dict:
+  flags = [f"--mode={'async' if mode.startswith('async') else mode}",
+           f"--stragglers={PROFILES.get(profile, profile)}", f"--steps={steps}",
+           "--log_every=250", f"--model_dir={model_dir}", "--num_ps=1", "--num_workers=4",
+           "--eval_examples=4096"]
+  if mode == "async_plain":
+    flags.append("--noasync_staleness_stats")
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train.py"), *flags,
+                         *extra], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+  if proc.returncode != 0:
+    raise RuntimeError(f"{mode}/{profile} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+  with open(os.path.join(model_dir, "summary.json")) as f:
+    return json.load(f)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--modes", default="gba,async,async_plain")
+  p.add_argument("--stragglers", default="none,transient",
+                 help=f"comma-separated; names {sorted(PROFILES)} or a profile string")
+  p.add_argument("--steps", type=int, default=1500)
+  p.add_argument("--repeats", type=int, default=1)
+  p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_mode_qps"))
+  args, extra = p.parse_known_args(argv)
+  modes = args.modes.split(",")
+  profiles = args.stragglers.split(",")
+  results = {(m, s): [] for s in profiles for m in modes}
+  for rep in range(args.repeats):
+    for profile in profiles:
+      for mode in modes:
+        model_dir = os.path.join(args.out, f"{mode}_{profile.replace(':', '_')}_{rep}")
+        subprocess.run(["rm", "-rf", model_dir], check=True)
+        summary = run_one(mode, profile, args.steps, model_dir, extra)
+        results[(mode, profile)].append(summary)
+        print(f"  {mode:12s} {profile:10s} rep {rep}: QPS {summary['global_qps']:,.0f}  "
+              f"AUC {summary['eval_auc']:.4f}  staleness {summary['mean_staleness']:.2f}",
+              flush=True)
+  table = []
+  print("\n| stragglers | mode | global QPS (mean over repeats) | vs gba | per-worker QPS | "
+        "mean / max staleness | dropped batches | eval AUC |")
+  print("|---|---|---|---|---|---|---|---|")
+  for profile in profiles:
+    gba = statistics.mean(s["global_qps"] for s in results.get(("gba", profile), [])) if (
+        "gba" in modes) else None
+    for mode in modes:
+      runs = results[(mode, profile)]
+      qps = statistics.mean(s["global_qps"] for s in runs)
+      last = runs[-1]
+      row = {"stragglers": profile, "mode": mode, "global_qps": qps,
+             "global_qps_runs": [s["global_qps"] for s in runs],
+             "per_worker_qps": [w["qps"] for w in last["per_worker"]],
+             "mean_staleness": last["mean_staleness"], "max_staleness": last["max_staleness"],
+             "dropped_batches": last["dropped_batches"], "eval_auc": last["eval_auc"]}
+      table.append(row)
+      ratio = f"{qps / gba:.2f}" if gba else "-"
+      print(f"| {profile} | {mode} | {qps:,.0f} | {ratio} | "
+            f"{' '.join(f'{q:,.0f}' for q in row['per_worker_qps'])} | "
+            f"{row['mean_staleness']:.2f} / {row['max_staleness']} | {row['dropped_batches']} | "
+            f"{row['eval_auc']:.4f} |")
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump(table, f, indent=2)
+  return table
+
+
+if __name__ == "__main__":
+  main()
