@@ -89,3 +89,20 @@ def test_checkpoint_restores_into_fresh_cluster_bit_exact(first_run):
       assert kept.sum() > 0 and np.any(saved_tags >= 0)
       assert np.all(saved_tags[kept] == tags[kept])
   assert second["stats"][-1]["dense"]["dropped"] == 0  # tokens resumed at the restored step
+
+
+def test_worker_killed_mid_step_is_not_applied_twice(tmp_path):
+  # Worker 0 dies while epoch 1 runs. The coordinator re-runs its closure on another worker,
+  # which takes a new token and batch: a new push, never a second copy of the dead worker's push
+  # (that would carry the same ticket and be ignored). The dead worker may have pushed some of its
+  # step's gradients before dying; those count as what they are, one extra push at most.
+  report = run_job(tmp_path, "killed", "--epochs", "3", "--steps_per_epoch", "60",
+                   "--kill_worker_during_epoch", "1")
+  last = report["stats"][-1]["dense"]
+  assert last["duplicates"] == 0
+  assert 180 <= last["pushes"] <= 181
+  assert last["global_step"] == last["pushes"] // 3
+  assert report["final_iterations"] == last["pushes"] // 3
+  steps = {b["global_step"] for b in report["buffers"].values()}
+  assert max(steps) - min(steps) <= 1, report["buffers"]
+  assert report["losses"][-1] < report["losses"][0]

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -50,6 +51,8 @@ def main(argv=None):
   p.add_argument("--num_workers", type=int, default=3)
   p.add_argument("--num_ps", type=int, default=2)
   p.add_argument("--kill_worker_after_epoch", type=int, default=-1)
+  p.add_argument("--kill_worker_during_epoch", type=int, default=-1,
+                 help="kill worker 0 while this epoch's closures are running")
   args = p.parse_args(argv)
   m = 3
   report = {}
@@ -80,17 +83,14 @@ def main(argv=None):
       report["restored_from"] = manager.latest_checkpoint
     losses, stats = [], []
 
-    class Kill(keras.callbacks.Callback):
-
-      def on_epoch_end(self, epoch, logs=None):
-        if epoch == args.kill_worker_after_epoch:
-          cluster.kill("worker", 0)
-
     for epoch in range(args.epochs):
+      if epoch == args.kill_worker_during_epoch:
+        # Dies mid-step: the coordinator re-runs its closure on another worker.
+        threading.Timer(1.0, cluster.kill, args=("worker", 0)).start()
       hist = model.fit(keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
-                       steps_per_epoch=args.steps_per_epoch, verbose=0, callbacks=[Kill()])
+                       steps_per_epoch=args.steps_per_epoch, verbose=0)
       if epoch == args.kill_worker_after_epoch:
-        cluster.kill("worker", 0)
+        cluster.kill("worker", 0)  # a worker dies between epochs; its closures go elsewhere
       losses.append(hist.history["loss"][-1])
       stats.append(opt.stats())
     report["losses"] = losses

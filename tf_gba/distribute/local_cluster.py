@@ -143,7 +143,11 @@ class LocalCluster:
   def kill(self, job: str, index: int) -> None:
     """Kills one server abruptly (failure tests)."""
     proc = self._procs[f"{job}:{index}"]
-    os.killpg(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:
+      try:
+        os.killpg(proc.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
     proc.wait()
 
   def __enter__(self) -> "LocalCluster":
