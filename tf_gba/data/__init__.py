@@ -119,8 +119,11 @@ def make_dataset(spec: str = "synthetic", split: str = "train", batch_size: int 
     num_shards, shard_index: this worker's share; the shards partition the examples.
     day: one day in `[0, data_info(spec).num_days)`, or None for all days in order.
     repeat: repeat forever.
-    shuffle_seed: seed of the training-row shuffle (reshuffled each epoch); None: file/time order.
-    strict: fail at the first malformed row (naming file and line) instead of skipping it.
+    shuffle_seed: seed of the train-row shuffle (reshuffled each epoch); None: file/time order.
+      Eval rows are never shuffled.
+    strict: fail at the first malformed row, naming file and line, instead of skipping it: Criteo
+      (streamed) raises `tf.errors.InvalidArgumentError` when iteration reaches it, MovieLens
+      (read up front) raises ValueError here.
     **options: the source's own options (see the module docstring).
 
   Raises:

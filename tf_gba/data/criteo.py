@@ -61,6 +61,9 @@ _EXPECTED = ("0 or 1",) + ("an integer or empty",) * 13 + ("8 hex digits or empt
 _WARN_EACH_FIRST = 10
 # Lines per block (see _selected_rows).
 _BLOCK = 1024
+# Where the warnings go: TensorFlow's C++ logger at WARNING level. A "file://<path>" (what tf.print
+# also accepts) sends them to a file instead, which lets tests read them whatever the log level.
+_WARNING_STREAM = logging.warning
 
 
 def resolve_files(path: str, split: str, eval_every: int = 10) -> Tuple[List[str], bool]:
@@ -170,27 +173,23 @@ def _is_well_formed(text):
   return text, tf.strings.regex_full_match(text, _ROW_PATTERN)
 
 
-def _problem(file, number, text):
-  """A message naming the file, the line and what is wrong with it (only built for bad rows)."""
-  fields = tf.strings.split(text, "\t")
-  count = tf.size(fields)
-
-  def bad_field():
-    ok = tf.concat([tf.strings.regex_full_match(fields[:1], _LABEL),
-                    tf.strings.regex_full_match(fields[1:14], _INTEGER),
-                    tf.strings.regex_full_match(fields[14:], _HEX)], axis=0)
-    i = tf.argmin(tf.cast(ok, tf.int32), output_type=tf.int32)
-    value = tf.strings.substr(fields[i], 0, 40)
-    return tf.strings.join([tf.gather(FIELD_NAMES, i), " is '", value, "', expected ",
-                            tf.gather(_EXPECTED, i)])
-
-  def bad_count():
-    return tf.strings.join(["has ", tf.strings.as_string(count),
-                            " tab-separated fields, expected 40"])
-
-  what = tf.cond(tf.equal(count, 40), bad_field, bad_count)
-  return tf.strings.join(["Malformed Criteo row at ", file, ":", tf.strings.as_string(number),
-                          ": ", what])
+def _problems(file, numbers, texts):
+  """Messages naming the file, line and fault of each (malformed) row in `texts` [k]."""
+  fields = tf.strings.split(texts, "\t")
+  count = fields.row_lengths()
+  padded = fields.to_tensor(shape=[None, 40])
+  ok = tf.concat([tf.strings.regex_full_match(padded[:, :1], _LABEL),
+                  tf.strings.regex_full_match(padded[:, 1:14], _INTEGER),
+                  tf.strings.regex_full_match(padded[:, 14:], _HEX)], axis=1)
+  first_bad = tf.argmin(tf.cast(ok, tf.int32), axis=1, output_type=tf.int32)
+  value = tf.strings.substr(tf.gather(padded, first_bad, batch_dims=1), 0, 40)
+  bad_field = tf.strings.join([tf.gather(FIELD_NAMES, first_bad), " is '", value, "', expected ",
+                               tf.gather(_EXPECTED, first_bad)])
+  bad_count = tf.strings.join(["has ", tf.strings.as_string(count),
+                               " tab-separated fields, expected 40"])
+  fault = tf.where(count == 40, bad_field, bad_count)
+  return tf.strings.join(["Malformed Criteo row at ", file, ":", tf.strings.as_string(numbers),
+                          ": ", fault])
 
 
 def _check_and_report(strict: bool):
@@ -205,10 +204,8 @@ def _check_and_report(strict: bool):
     text, ok = _is_well_formed(rows.text)
     bad = tf.logical_not(ok)
     if strict:
-      first_bad = tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32)
-      message = tf.cond(tf.reduce_any(bad),
-                        lambda: _problem(rows.file, rows.number[first_bad], text[first_bad]),
-                        lambda: tf.constant(""))
+      first = tf.boolean_mask(tf.range(tf.size(text)), bad)[:1]
+      message = _problems(rows.file, tf.gather(rows.number, first), tf.gather(text, first))
       with tf.control_dependencies([tf.debugging.Assert(tf.reduce_all(ok), [message])]):
         return seen, tf.identity(text)
 
@@ -218,16 +215,12 @@ def _check_and_report(strict: bool):
         tf.reduce_any(tf.equal(running[:, None], powers_of_ten), axis=1)))
 
     def log():
-      at = tf.where(warn)[:, 0]
-
-      def describe(i):
-        return tf.strings.join([
-            "Skipping ", _problem(rows.file, rows.number[i], text[i]), " (malformed row ",
-            tf.strings.as_string(running[i]), " of this pass; "
-            "tf_gba.data.malformed_row_count counts them all)"])
-
-      lines = tf.map_fn(describe, at, fn_output_signature=tf.string)
-      tf.print(tf.strings.reduce_join(lines, separator="\n"), output_stream=logging.warning)
+      lines = tf.strings.join([
+          "Skipping ",
+          _problems(rows.file, tf.boolean_mask(rows.number, warn), tf.boolean_mask(text, warn)),
+          " (malformed row ", tf.strings.as_string(tf.boolean_mask(running, warn)),
+          " of this pass; tf_gba.data.malformed_row_count counts them all)"])
+      tf.print(tf.strings.reduce_join(lines, separator="\n"), output_stream=_WARNING_STREAM)
       return tf.constant(True)
 
     logged = tf.cond(tf.reduce_any(warn), log, lambda: tf.constant(False))

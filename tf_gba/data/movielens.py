@@ -270,7 +270,8 @@ def make_dataset(path: str, split: str = "train", batch_size: int = 256, num_sha
       of the selected ones, so the shards partition them.
     day: a day in `[0, num_days)`, or None for all days in order.
     repeat: repeat forever.
-    shuffle_seed: shuffle the rows (again in each epoch); None keeps time order.
+    shuffle_seed: shuffle train rows (again in each epoch); None keeps time order. Eval rows
+      keep time order.
     strict: raise ValueError at the first malformed row instead of skipping it.
     num_days: the number of equal-count slices of the ratings by time.
     eval_fraction: share of each day's (latest) ratings that form the eval split.
@@ -285,7 +286,8 @@ def make_dataset(path: str, split: str = "train", batch_size: int = 256, num_sha
   info = DataInfo(categorical=dict(ratings.vocab_sizes), numeric=(), num_days=num_days)
   return pipeline.from_arrays(info, {name: v[rows] for name, v in ratings.features.items()},
                               ratings.labels[rows], batch_size=batch_size, num_shards=num_shards,
-                              shard_index=shard_index, repeat=repeat, shuffle_seed=shuffle_seed)
+                              shard_index=shard_index, repeat=repeat,
+                              shuffle_seed=shuffle_seed if split == "train" else None)
 
 
 def malformed_row_count(path: str, split: str = "train") -> int:

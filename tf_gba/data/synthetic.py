@@ -258,8 +258,8 @@ def make_dataset(split: str = "train", batch_size: int = 256, num_shards: int = 
                  **options) -> tf.data.Dataset:
   """Synthetic `(features, label)` batches; `day=None` takes every day, in order.
 
-  `strict` is accepted for a uniform interface: generated rows are never malformed. Options are
-  the arguments of `SyntheticCTR`.
+  Eval rows are never shuffled. `strict` is accepted for a uniform interface: generated rows are
+  never malformed. Options are the arguments of `SyntheticCTR`.
   """
   del strict
   pipeline.check_common_args(split, batch_size, num_shards, shard_index)
@@ -271,7 +271,7 @@ def make_dataset(split: str = "train", batch_size: int = 256, num_shards: int = 
   labels = np.concatenate([p.labels for p in parts])
   return pipeline.from_arrays(gen.info(), features, labels, batch_size=batch_size,
                               num_shards=num_shards, shard_index=shard_index, repeat=repeat,
-                              shuffle_seed=shuffle_seed)
+                              shuffle_seed=shuffle_seed if split == "train" else None)
 
 
 def malformed_row_count(split: str = "train", **options) -> int:
