@@ -58,8 +58,10 @@ def run(buf, pushes, dtype=tf.float64, index_dtype=tf.int64):
         token, ticket, tf.constant(ids, index_dtype),
         tf.constant(np.asarray(rows).reshape((len(ids),) + tuple(buf._row_shape)), dtype))
     assert out_ids.dtype == index_dtype
-    got.append((bool(ready), out_ids.numpy().astype(np.int64),
-                tf.cast(out_rows, tf.float64).numpy(), int(step)))
+    # The kernel emits ids in first-push order; the reference in sorted order.
+    order = np.argsort(out_ids.numpy(), kind="stable")
+    got.append((bool(ready), out_ids.numpy().astype(np.int64)[order],
+                tf.cast(out_rows, tf.float64).numpy()[order], int(step)))
   return got
 
 

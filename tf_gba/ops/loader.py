@@ -13,7 +13,7 @@ from typing import Dict, List
 import tensorflow as tf
 
 # One entry per folder custom_ops/<area>/cc; setup.py and BUILD build each into _<area>_ops.so.
-AREAS = ("gba",)
+AREAS = ("gba", "adaptive_revision")
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _REPO_ROOT = os.path.dirname(os.path.dirname(_PACKAGE_DIR))

@@ -1,6 +1,7 @@
-"""Keras optimizers and wrappers: GBA (and the algorithms around it)."""
+"""Keras optimizers and wrappers: GBA, AdaptiveRevision, DTS."""
 
+from tf_gba.optimizers.adaptive_revision import AdaptiveRevision
 from tf_gba.optimizers.gba import GBA
 from tf_gba.optimizers.gba import resolve_num_aggregate
 
-__all__ = ["GBA", "resolve_num_aggregate"]
+__all__ = ["AdaptiveRevision", "GBA", "resolve_num_aggregate"]

@@ -17,6 +17,7 @@
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "unsupported/Eigen/CXX11/Tensor"
 
 namespace tf_gba {
 
@@ -179,12 +180,10 @@ class SparseBufferPushOp : public OpKernel {
 
     bool ready = false;
     int64_t step_out;
-    std::vector<int64_t> out_ids;
-    std::vector<Acc> out_rows;
     {
       std::lock_guard<std::mutex> lock(buf->mu);
       BufferCore& core = buf->core_;
-      if (core.AcceptTicket(ticket)) {
+      if (core.AcceptTicket(ticket)) {  // a ticket seen before: the same push delivered again
         if (!finite) ++core.stats().nonfinite;
         std::vector<Acc>& pool = Pool<Acc>(buf.get());
         const int64_t seq = ++buf->push_seq;
@@ -218,7 +217,7 @@ class SparseBufferPushOp : public OpKernel {
         }
         if (core.AddEntry(finite || core.config().count_dropped)) {
           ready = true;
-          Aggregate(buf.get(), pool, &out_ids, &out_rows);
+          OP_REQUIRES_OK(ctx, Aggregate(ctx, buf.get(), pool));
           core.FinishAggregation();
         }
       }
@@ -228,27 +227,24 @@ class SparseBufferPushOp : public OpKernel {
     Tensor* ready_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &ready_t));
     ready_t->scalar<bool>()() = ready;
-    const int64_t k = static_cast<int64_t>(out_ids.size());
-    Tensor* ids_t;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &ids_t));
-    TensorShape rows_shape({k});
-    rows_shape.AppendShape(buf->row_shape());
-    Tensor* rows_t;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, rows_shape, &rows_t));
-    auto out_i = ids_t->vec<Tindex>();
-    for (int64_t i = 0; i < k; ++i) out_i(i) = static_cast<Tindex>(out_ids[i]);
-    T* out_r = rows_t->flat<T>().data();
-    for (int64_t i = 0; i < k * row_size; ++i) out_r[i] = static_cast<T>(out_rows[i]);
+    if (!ready) {
+      Tensor* unused;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({0}), &unused));
+      TensorShape rows_shape({0});
+      rows_shape.AppendShape(buf->row_shape());
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(2, rows_shape, &unused));
+    }
     Tensor* step_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({}), &step_t));
     step_t->scalar<int64_t>()() = step_out;
   }
 
  private:
-  // Builds the aggregate of the completed global batch (ids sorted, all-dropped ids left out),
-  // tags the aggregated rows with the step k being applied, and clears the batch. Caller holds mu.
-  static void Aggregate(SparseGradientBuffer* buf, const std::vector<Acc>& pool,
-                        std::vector<int64_t>* out_ids, std::vector<Acc>* out_rows) {
+  // Writes the aggregate of the completed global batch into outputs 1 and 2 (ids in the order
+  // they were first pushed; ids whose every weight was zero left out), tags the aggregated rows
+  // with the step k being applied, and clears the batch. Caller holds mu.
+  static Status Aggregate(OpKernelContext* ctx, SparseGradientBuffer* buf,
+                          const std::vector<Acc>& pool) {
     const int64_t row_size = buf->row_size();
     const bool by_kept = buf->core_.config().normalize == Normalize::kKept;
     std::vector<int32_t> order;
@@ -256,22 +252,33 @@ class SparseBufferPushOp : public OpKernel {
     for (int32_t s = 0; s < static_cast<int32_t>(buf->touched.size()); ++s) {
       if (buf->touched[s].kept > 0) order.push_back(s);
     }
-    std::sort(order.begin(), order.end(), [buf](int32_t a, int32_t b) {
-      return buf->touched[a].id < buf->touched[b].id;
-    });
-    out_ids->resize(order.size());
-    out_rows->resize(order.size() * row_size);
-    const int64_t k = buf->core_.step();
-    for (size_t i = 0; i < order.size(); ++i) {
-      const SparseGradientBuffer::Touched& t = buf->touched[order[i]];
-      const Acc inv = Acc(1) / static_cast<Acc>(by_kept ? t.kept : t.count);
-      const Acc* acc = pool.data() + static_cast<int64_t>(order[i]) * row_size;
-      Acc* dst = out_rows->data() + i * row_size;
-      for (int64_t j = 0; j < row_size; ++j) dst[j] = acc[j] * inv;
-      (*out_ids)[i] = t.id;
-      buf->tags[t.id] = k;  // tags used for this batch's weights were the ones before this line
-    }
+    const int64_t k = static_cast<int64_t>(order.size());
+    Tensor *ids_t, *rows_t;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({k}), &ids_t));
+    TensorShape rows_shape({k});
+    rows_shape.AppendShape(buf->row_shape());
+    TF_RETURN_IF_ERROR(ctx->allocate_output(2, rows_shape, &rows_t));
+    Tindex* out_ids = ids_t->vec<Tindex>().data();
+    T* out_rows = rows_t->flat<T>().data();
+    const int64_t step = buf->core_.step();
+    // Entries are independent (distinct ids): fill the outputs and tags in parallel.
+    ctx->eigen_device<Eigen::ThreadPoolDevice>().parallelFor(
+        k, Eigen::TensorOpCost(row_size * sizeof(Acc) + 16, row_size * sizeof(T) + 16,
+                               row_size),
+        [&](Eigen::Index begin, Eigen::Index end) {
+          for (Eigen::Index i = begin; i < end; ++i) {
+            const SparseGradientBuffer::Touched& t = buf->touched[order[i]];
+            const Acc inv = Acc(1) / static_cast<Acc>(by_kept ? t.kept : t.count);
+            const Acc* acc = pool.data() + static_cast<int64_t>(order[i]) * row_size;
+            T* dst = out_rows + i * row_size;
+            for (int64_t j = 0; j < row_size; ++j) dst[j] = static_cast<T>(acc[j] * inv);
+            out_ids[i] = static_cast<Tindex>(t.id);
+            // The weights of this batch used the tags from before this line.
+            buf->tags[t.id] = step;
+          }
+        });
     buf->ClearBatch();
+    return ::tensorflow::OkStatus();
   }
 };
 

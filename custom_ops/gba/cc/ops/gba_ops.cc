@@ -190,8 +190,9 @@ REGISTER_OP("GBA>SparseBufferPush")
     .Doc(R"doc(
 Stores (token, ids, rows) with duplicate ids summed, weighting each id by its own staleness
 max(0, last_step[id] - token). The push that completes the M-th entry gets ready=true and the
-aggregate rows sum_m w_m(id) row_m[id] / c(id) for the ids with a non-zero weight (sorted); then
-last_step[id] = k for those ids. Other pushes get ready=false and empty outputs.
+aggregate rows sum_m w_m(id) row_m[id] / c(id) for the ids with a non-zero weight, in the order
+they were first pushed; then last_step[id] = k for those ids. Other pushes get ready=false and
+empty outputs.
 )doc");
 
 REGISTER_OP("GBA>SparseBufferStats")
