@@ -109,8 +109,9 @@ class _Job:
         self.optimizer = GBA(inner, num_aggregate=config.num_aggregate,
                              staleness_threshold=config.staleness_threshold)
       self.model.compile(self.optimizer, loss=keras.losses.BinaryCrossentropy())
-    # Slots before restoring: a deferred restore of sharded slots cannot run on the PS.
-    self.optimizer.build(self.model.trainable_variables)
+      # Slots before restoring (a deferred restore of sharded slots cannot run on the PS), and
+      # under the scope, so optimizers that read state before each step can register with it.
+      self.optimizer.build(self.model.trainable_variables)
     self.checkpoint = tf.train.Checkpoint(model=self.model)
     self.manager = tf.train.CheckpointManager(self.checkpoint, config.model_dir, max_to_keep=3)
     self.restored_from = None
