@@ -235,6 +235,7 @@ def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, s
       "qps_measured_over_steps": steps_measured,
       "per_worker": per_worker,
       "global_step": stats["global_step"], "start_global_step": start_step,
+      "pushes": dense.get("pushes", steps_run),
       "mean_staleness": dense.get("mean_staleness", 0.0),
       "max_staleness": dense.get("staleness_max", 0),
       "staleness_histogram": dense.get("histogram", []),
@@ -258,8 +259,8 @@ def print_summary(s: dict) -> None:
       f"{s['qps_measured_over_steps']} steps, after start-up)",
       "  per-worker QPS        " + "  ".join(f"w{w['worker']}={w['qps']:,.0f}"
                                            for w in s["per_worker"]),
-      f"  global step           {s['global_step']} (M={s['num_aggregate']}, started at "
-      f"{s['start_global_step']})",
+      f"  global step           {s['global_step']} (M={s['num_aggregate']}, {s['pushes']} pushes, "
+      f"started at {s['start_global_step']})",
       f"  dense staleness       mean {s['mean_staleness']:.2f}  max {s['max_staleness']}",
       f"  dropped batches       {s['dropped_batches']}  (dropped gradients over all variables "
       f"{s['dropped_gradients']}, embedding rows {s['dropped_embedding_rows']})",
