@@ -65,6 +65,12 @@ def test_each_mode_and_model(tmp_path, mode, model, m):
   assert summary["model"] == model
 
 
+def test_plain_async_without_buffers(tmp_path):
+  summary = _run(tmp_path, mode="async", async_staleness_stats=False)
+  _check_summary(str(tmp_path / "model"), summary, "async", 1)
+  assert summary["pushes"] == 40 and summary["mean_staleness"] == 0.0
+
+
 def test_restores_from_model_dir(tmp_path):
   first = _run(tmp_path)
   second = _run(tmp_path, steps=20)

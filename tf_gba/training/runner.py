@@ -63,7 +63,7 @@ class _Progress(keras.callbacks.Callback):
     job = self._job
     steps = (epoch + 1) * job.config.log_every
     elapsed = time.time() - self._t0
-    stats = job.optimizer.stats()
+    stats = _optimizer_stats(job.optimizer)
     dense = stats["dense"] or {}
     loss = (logs or {}).get("loss", float("nan"))
     qps = steps * job.config.local_batch_size / max(elapsed, 1e-9)
@@ -192,7 +192,7 @@ def run(config: TrainConfig) -> dict:
       wall, steps_measured = t1 - t0, epochs * config.log_every
       for w in worker_stats:
         w["measured_steps"] = w["steps"]
-    stats = job.optimizer.stats()
+    stats = _optimizer_stats(job.optimizer)
     evaluation = job.evaluate()
     saved = job.manager.save()
     summary = _summary(config, strategy, history, stats, worker_stats, evaluation, wall,
