@@ -30,8 +30,11 @@ $(EDITABLE): setup.py $(STAMP)
 build: $(EDITABLE)
 	$(PY) setup.py -q build_ext --inplace
 
+# DTS's tests need TensorFlow's context created with 4 logical CPUs (MirroredStrategy replicas),
+# which must be configured before anything initialises TensorFlow: they run in their own process.
 test: build
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests --ignore=tests/test_dts.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests/test_dts.py $(PYTEST_ARGS)
 
 # The main job: DeepFM on synthetic data with GBA, 1 PS + 4 worker processes on 127.0.0.1, under
 # transient stragglers (every step 4x slower with p=0.2) plus worker 0 persistently 2x slower.
@@ -49,3 +52,28 @@ bench: build
 
 clean:
 	rm -rf build *.egg-info tf_gba/ops/_*_ops*.so tf_gba/ops/_build_info.py
+
+# Bazel, offline (docs/building.md): Debian's bazel-bootstrap (Bazel 4.2.3) is installed when no
+# bazel is on PATH; @local_config_tf takes TensorFlow from the venv. The libraries land in
+# bazel-bin/custom_ops/<area>/_<area>_ops.so, where tf_gba's loader looks.
+.PHONY: bazel-install bazel-build bazel-test cuda-build
+BAZEL ?= bazel
+BAZEL_ARGS ?=
+SUDO ?= $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+bazel-install:
+	@command -v $(BAZEL) >/dev/null 2>&1 || \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q bazel-bootstrap || \
+	  { $(SUDO) apt-get update -q && \
+	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q bazel-bootstrap; }
+
+bazel-build: $(STAMP) bazel-install
+	PYTHON_BIN_PATH=$(abspath $(PY)) $(BAZEL) build $(BAZEL_ARGS) //...
+
+bazel-test: $(STAMP) bazel-install
+	PYTHON_BIN_PATH=$(abspath $(PY)) $(BAZEL) test $(BAZEL_ARGS) //...
+
+# The op libraries with their CUDA kernels (nvcc; no GPU needed to build), into build/cuda so the
+# CPU build in place stays as it is. Use them with TF_GBA_OPS_DIR=build/cuda/tf_gba/ops.
+cuda-build: $(STAMP)
+	TF_NEED_CUDA=1 $(PY) setup.py -q build_ext --build-lib build/cuda

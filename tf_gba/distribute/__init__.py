@@ -1,7 +1,14 @@
-"""Distribution: GBAStrategy, the local multi-process cluster, and the server entry point."""
+"""Distribution: GBAStrategy, the local clusters, the server entry point, DTS training."""
 
+from tf_gba.distribute.collective_cluster import ClusterError
+from tf_gba.distribute.collective_cluster import run_collective_cluster
+from tf_gba.distribute.dts_training import DTSTrainer
+from tf_gba.distribute.dts_training import make_local_mirrored_strategy
+from tf_gba.distribute.dts_training import train_dts
+from tf_gba.distribute.latency import AsyncAllReduce
 from tf_gba.distribute.local_cluster import LocalCluster
 from tf_gba.distribute.strategy import GBAStrategy
 from tf_gba.distribute.strategy import MODES
 
-__all__ = ["GBAStrategy", "LocalCluster", "MODES"]
+__all__ = ["AsyncAllReduce", "ClusterError", "DTSTrainer", "GBAStrategy", "LocalCluster", "MODES",
+           "make_local_mirrored_strategy", "run_collective_cluster", "train_dts"]

@@ -7,7 +7,8 @@
 itself, which reads `TF_CONFIG`), and returns the JSON-serialisable return values, ordered by
 worker index. The processes are always ended: on success, on a worker failure (a failed worker
 leaves its peers stuck in a collective, so the others are killed at once), on timeout and on
-Ctrl-C. Each worker runs in its own process group, which is killed as a whole.
+Ctrl-C. Each worker runs in its own process group, which is killed as a whole, and exits by
+itself if the launching process goes away without cleaning up (e.g. killed with SIGKILL).
 
 The target is `module:function` or `path/to/file.py:function`. Command line (prints the results):
 
@@ -22,30 +23,26 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Dict, List, Optional
+
+from tf_gba.distribute.local_cluster import free_ports
+from tf_gba.distribute.server import _watch_parent  # pylint: disable=protected-access
 
 _LOG_TAIL_CHARS = 4000
 
 
 class ClusterError(RuntimeError):
-  """A worker failed, or the cluster did not finish in time."""
+  """A worker failed, or the cluster did not finish in time. `pids`: the workers' process ids."""
 
-
-def free_ports(count: int) -> List[int]:
-  """`count` distinct free TCP ports on 127.0.0.1 (free when checked; another process could
-  still take one before the worker binds it)."""
-  with contextlib.ExitStack() as stack:
-    socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-             for _ in range(count)]
-    for sock in socks:
-      sock.bind(("127.0.0.1", 0))
-    return [sock.getsockname()[1] for sock in socks]
+  def __init__(self, message: str, pids: Optional[List[int]] = None):
+    super().__init__(message)
+    self.pids = list(pids or [])
 
 
 def tf_config(addresses: List[str], index: int, task_type: str = "worker") -> Dict:
@@ -172,7 +169,8 @@ def run_collective_cluster(target: str, num_workers: int = 2,
       _end_all(procs)
       tails = "\n".join(f"--- worker {i} ({path}) ---\n{_tail(path)}"
                         for i, path in enumerate(logs))
-      raise ClusterError(f"{failure}; logs kept in {log_dir}\n{tails}")
+      raise ClusterError(f"{failure}; logs kept in {log_dir}\n{tails}",
+                         pids=[proc.pid for proc in procs])
     results = []
     for path in results_files:
       with open(path) as f:
@@ -189,6 +187,7 @@ def run_collective_cluster(target: str, num_workers: int = 2,
 
 
 def _worker_main(args) -> int:
+  threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
   try:
     result = _load_target(args.target)(**json.loads(args.kwargs_json))
     payload = {"result": result}

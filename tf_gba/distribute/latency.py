@@ -37,13 +37,13 @@ import tensorflow as tf
 class ExchangeHandle:
   """The pending result of one `AsyncAllReduce.start` call."""
 
-  def __init__(self, index: int, started_at: float):
+  def __init__(self, index: int, started_at: float, owner: "AsyncAllReduce"):
     self.index = index
     self.started_at = started_at
+    self._owner = owner
     self._done = threading.Event()
     self._value = None
     self._error: Optional[BaseException] = None
-    self._owner: Optional["AsyncAllReduce"] = None
 
   def done(self) -> bool:
     return self._done.is_set()
@@ -58,8 +58,7 @@ class ExchangeHandle:
     if not self._done.is_set():
       begin = time.perf_counter()
       finished = self._done.wait(timeout)
-      if self._owner is not None:
-        self._owner._add_blocked(time.perf_counter() - begin)
+      self._owner._add_blocked(time.perf_counter() - begin)  # pylint: disable=protected-access
       if not finished:
         raise TimeoutError(f"all-reduce #{self.index} did not finish within {timeout} s")
     if self._error is not None:
@@ -128,12 +127,11 @@ class AsyncAllReduce:
     """Starts reducing `values` (a nest of per-replica tensors) and returns at once."""
     if self._closed:
       raise RuntimeError("AsyncAllReduce is closed")
-    # Trace (or look up the trace) here, on the caller's thread: tracing a strategy.run belongs on
-    # the thread that owns the strategy scope, and tracing on the exchange thread would delay the
-    # exchange by the tracing time. The same structure reuses one trace.
+    # Trace (or look the trace up) here, on the training thread, which entered the strategy's
+    # scopes; the exchange thread then only runs it, so tracing never delays an exchange. The
+    # same structure reuses one trace.
     concrete = self._all_reduce.get_concrete_function(values)
-    handle = ExchangeHandle(self._started, time.perf_counter())
-    handle._owner = self
+    handle = ExchangeHandle(self._started, time.perf_counter(), self)
     self._started += 1
     self._queue.put((handle, concrete, values))
     return handle
