@@ -5,12 +5,21 @@ with exactly the flags the installed TensorFlow reports (`tf.sysconfig`), never 
 the C++ standard and the `_GLIBCXX_USE_CXX11_ABI` flag must match the wheel or the library will not
 load. TensorFlow must therefore be importable at build time, so install with
 `pip install --no-build-isolation .` (the Makefile does).
+
+With TF_NEED_CUDA=1 the libraries also get their CUDA kernels: every `custom_ops/<area>/cc/kernels/
+*.cu.cc` is compiled with nvcc ($NVCC, else $CUDA_HOME/bin/nvcc, else nvcc from PATH, else
+/usr/local/cuda/bin/nvcc) for the architectures in TF_GBA_CUDA_ARCHS (default "75,80,90"), the
+C++ sources with GOOGLE_CUDA=1 (their GPU kernel registrations), and the libraries are linked with
+nvcc's static CUDA runtime. See docs/building.md, also for the check of nvcc's CUDA version against
+the one TensorFlow was built with (TF_GBA_CUDA_VERSION_CHECK=strict makes a mismatch an error).
 """
 
 import glob
 import os
 import platform
+import re
 import shlex
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +43,81 @@ def _op_libraries():
   return libs
 
 
+DEFAULT_CUDA_ARCHS = "75,80,90"
+
+
+class CudaConfig:
+  """nvcc, its CUDA version and runtime library, for a TF_NEED_CUDA=1 build."""
+
+  def __init__(self, tf):
+    self.nvcc = self._find_nvcc()
+    if not self.nvcc:
+      raise SystemExit(
+          "TF_NEED_CUDA=1 but nvcc was not found: set NVCC or CUDA_HOME, or put nvcc on PATH "
+          "(or unset TF_NEED_CUDA to build the CPU kernels only).")
+    out = subprocess.run([self.nvcc, "--version"], capture_output=True, text=True, check=True)
+    match = re.search(r"release (\d+)\.(\d+)", out.stdout)
+    self.version = f"{match.group(1)}.{match.group(2)}" if match else "unknown"
+    self.lib_dir = self._find_lib_dir()
+    archs = os.environ.get("TF_GBA_CUDA_ARCHS", DEFAULT_CUDA_ARCHS).replace(";", ",")
+    self.archs = [a.strip().replace("sm_", "").replace("compute_", "").replace(".", "")
+                  for a in archs.split(",") if a.strip()]
+    if not self.archs:
+      raise SystemExit("TF_GBA_CUDA_ARCHS lists no GPU architecture (e.g. \"75,80,90\").")
+    self._check_version(tf)
+
+  @staticmethod
+  def _find_nvcc():
+    if os.environ.get("NVCC"):
+      return os.environ["NVCC"]
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
+      return os.path.join(cuda_home, "bin", "nvcc")
+    return shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+
+  def _find_lib_dir(self):
+    # nvcc knows its toolkit's root (it may be a wrapper script elsewhere on PATH).
+    dry = subprocess.run([self.nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                         capture_output=True, text=True, check=False)
+    top = re.search(r"^#\$ TOP=(.*)$", dry.stdout + dry.stderr, re.MULTILINE)
+    roots = [top.group(1).strip()] if top else []
+    roots.append(os.path.dirname(os.path.dirname(os.path.realpath(self.nvcc))))
+    for root in roots:
+      for sub in ("targets/x86_64-linux/lib", "lib64", "lib"):
+        lib_dir = os.path.realpath(os.path.join(root, sub))
+        if os.path.exists(os.path.join(lib_dir, "libcudart_static.a")):
+          return lib_dir
+    raise SystemExit(f"libcudart_static.a was not found next to {self.nvcc} (searched {roots}).")
+
+  def _check_version(self, tf):
+    """Compares nvcc's CUDA major version with the one TensorFlow was built with."""
+    info = tf.sysconfig.get_build_info()
+    tf_cuda = info.get("cuda_version", "") if info.get("is_cuda_build") else ""
+    strict = os.environ.get("TF_GBA_CUDA_VERSION_CHECK", "warn") == "strict"
+    if not tf_cuda:
+      problem = (f"TensorFlow {tf.__version__} is not a CUDA build: it cannot run the CUDA kernels "
+                 "being built.")
+    elif tf_cuda.split(".")[0] != self.version.split(".")[0]:
+      problem = (f"nvcc is CUDA {self.version} but TensorFlow {tf.__version__} was built with CUDA "
+                 f"{tf_cuda}. The kernels are compiled against nvcc's own CUDA headers and linked "
+                 "with its static runtime (libcudart_static), so they need an NVIDIA driver that "
+                 f"supports CUDA {self.version.split('.')[0]}; use a CUDA "
+                 f"{tf_cuda.split('.')[0]}.x toolkit (NVCC=...) to match TensorFlow exactly.")
+    else:
+      print(f"tf_gba: nvcc CUDA {self.version} matches TensorFlow's CUDA {tf_cuda}.", flush=True)
+      return
+    if strict:
+      raise SystemExit("error: " + problem + " (TF_GBA_CUDA_VERSION_CHECK=strict)")
+    print("WARNING: " + problem + " Set TF_GBA_CUDA_VERSION_CHECK=strict to make this an error.",
+          file=sys.stderr, flush=True)
+
+  def gencode_flags(self):
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in self.archs]
+    lowest = min(self.archs, key=int)  # PTX too, so that newer GPUs can JIT-compile it
+    return flags + [f"-gencode=arch=compute_{lowest},code=compute_{lowest}"]
+
+
 class BuildTfOps(build_ext):
   """Compiles each op library with g++ and TensorFlow's own flags, in parallel."""
 
@@ -43,12 +127,20 @@ class BuildTfOps(build_ext):
     self._cflags = tf.sysconfig.get_compile_flags()
     self._lflags = tf.sysconfig.get_link_flags()
     self._cxx = os.environ.get("CXX", "g++")
+    self._cuda = CudaConfig(tf) if os.environ.get("TF_NEED_CUDA", "0") == "1" else None
     jobs = int(os.environ.get("TF_GBA_BUILD_JOBS", os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=jobs) as pool:
       for ext in self.extensions:
-        objects = list(pool.map(lambda s, e=ext: self._compile(e, s), ext.sources))
+        sources = list(ext.sources) + (self._cuda_sources(ext) if self._cuda else [])
+        objects = list(pool.map(lambda s, e=ext: self._compile(e, s), sources))
         self._link(ext, objects)
     self._stamp(tf)
+
+  @staticmethod
+  def _cuda_sources(ext):
+    area = ext.name.rsplit(".", 1)[-1][1:-len("_ops")]  # tf_gba.ops._<area>_ops -> <area>
+    return [os.path.relpath(s, ROOT) for s in sorted(
+        glob.glob(os.path.join(ROOT, "custom_ops", area, "cc", "kernels", "*.cu.cc")))]
 
   def _run(self, cmd):
     print(" ".join(shlex.quote(c) for c in cmd), flush=True)
@@ -57,15 +149,36 @@ class BuildTfOps(build_ext):
   def _compile(self, ext, source):
     # One object cache in the source tree for every way of building (pip's editable install,
     # build_ext --inplace): each source is compiled once and rebuilt only when it changes.
-    obj = os.path.join(ROOT, "build", "objs", ext.name, source.replace(os.sep, "_") + ".o")
+    # CUDA builds compile the same sources differently (GOOGLE_CUDA=1): objects of their own.
+    objs = "objs-cuda" if self._cuda else "objs"
+    obj = os.path.join(ROOT, "build", objs, ext.name, source.replace(os.sep, "_") + ".o")
     os.makedirs(os.path.dirname(obj), exist_ok=True)
     src = os.path.join(ROOT, source)
     if os.path.exists(obj) and os.path.getmtime(obj) >= max(
         [os.path.getmtime(src)] + [os.path.getmtime(h) for h in self._headers()]):
       return obj
+    if source.endswith(".cu.cc"):
+      self._run(self._nvcc_command(src, obj))
+      return obj
+    cuda_flags = ["-DGOOGLE_CUDA=1"] if self._cuda else []
     self._run([self._cxx, "-c", "-fPIC", "-O3", "-DNDEBUG", "-Wno-sign-compare", "-Wno-deprecated-declarations", "-Wno-interference-size",
-               "-I", ROOT, *self._cflags, src, "-o", obj])
+               *cuda_flags, "-I", ROOT, *self._cflags, src, "-o", obj])
     return obj
+
+  def _nvcc_command(self, src, obj):
+    # TensorFlow's flags for nvcc: its headers as system headers (their warnings are not ours), the
+    # defines (C++11 ABI, Eigen alignment) as they are, and our own -std. -fmad=false keeps the
+    # GPU's sums identical to the CPU kernels' (no fused multiply-add contraction).
+    tf_flags = []
+    for flag in self._cflags:
+      if flag.startswith("-I"):
+        tf_flags += ["-isystem", flag[2:]]
+      elif flag.startswith("-D"):
+        tf_flags.append(flag)
+    return [self._cuda.nvcc, "-c", "-x", "cu", "-std=c++17", "-O3", "-DNDEBUG", "-DGOOGLE_CUDA=1",
+            "--expt-relaxed-constexpr", "-fmad=false", "-Xcompiler", "-fPIC",
+            "-Xcompiler", "-Wno-deprecated-declarations", *self._cuda.gencode_flags(),
+            "-I", ROOT, *tf_flags, src, "-o", obj]
 
   def _headers(self):
     return glob.glob(os.path.join(ROOT, "custom_ops", "**", "*.h"), recursive=True)
@@ -73,7 +186,14 @@ class BuildTfOps(build_ext):
   def _link(self, ext, objects):
     out = self.get_ext_fullpath(ext.name)
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    self._run([self._cxx, "-shared", "-fPIC", *objects, "-o", out, *self._lflags])
+    # nvcc's static CUDA runtime goes before TensorFlow's library, which exports a CUDA runtime
+    # API of its own (stubs forwarding to the runtime TensorFlow loads): the kernels must bind to
+    # the runtime of the nvcc that compiled them. --exclude-libs keeps its symbols private.
+    cuda_libs = ([f"-L{self._cuda.lib_dir}", "-l:libcudart_static.a",
+                  "-Wl,--exclude-libs,libcudart_static.a"] if self._cuda else [])
+    cuda_sys = ["-ldl", "-lrt", "-lpthread"] if self._cuda else []
+    self._run([self._cxx, "-shared", "-fPIC", *objects, "-o", out, *cuda_libs, *self._lflags,
+               *cuda_sys])
 
   def _stamp(self, tf):
     # The loader quotes this when a library fails to load, so the error says what it was built for.
@@ -82,10 +202,13 @@ class BuildTfOps(build_ext):
     info = {
         "tf_version": tf.__version__,
         "compiler": compiler[0] if compiler else self._cxx,
-        "cuda": False,
+        "cuda": bool(self._cuda),
         "python": platform.python_version(),
         "builder": "setup.py",
     }
+    if self._cuda:
+      info["cuda_version"] = self._cuda.version
+      info["cuda_archs"] = ",".join(self._cuda.archs)
     for target_dir in {os.path.dirname(self.get_ext_fullpath(e.name)) for e in self.extensions}:
       with open(os.path.join(target_dir, "_build_info.py"), "w") as f:
         f.write("# Generated by setup.py at build time.\nBUILD_INFO = %r\n" % info)

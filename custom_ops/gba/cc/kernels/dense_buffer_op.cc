@@ -9,10 +9,12 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "custom_ops/gba/cc/kernels/buffer_core.h"
+#include "custom_ops/gba/cc/kernels/dense_buffer_functor.h"
 #include "custom_ops/gba/cc/kernels/resource_util.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
@@ -33,6 +35,7 @@ using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
 namespace errors = ::tensorflow::errors;
 using CPUDevice = Eigen::ThreadPoolDevice;
+using GPUDevice = Eigen::GpuDevice;
 
 class DenseGradientBuffer : public ::tensorflow::ResourceBase {
  public:
@@ -52,6 +55,9 @@ class DenseGradientBuffer : public ::tensorflow::ResourceBase {
   BufferCore core_;
   Tensor sum;              // accumulator dtype; meaningful only while sum_valid
   bool sum_valid = false;  // false: the next kept gradient assigns instead of adding (no memset)
+  // The last aggregate handed out. Once its consumers let go of it (reference count one), the
+  // next global batch accumulates into it: no fresh allocation, and no page faults, per batch.
+  Tensor spare;
   int64_t kept = 0;        // entries with a non-zero weight in the current global batch
 
  private:
@@ -129,6 +135,54 @@ bool CheckedAccumulate(const CPUDevice& d, const T* g, Acc* s, int64_t n, Acc f,
   return false;
 }
 
+namespace functor {
+
+// CPU: the cache-blocked, parallel passes above.
+template <typename T>
+struct DenseAllFinite<CPUDevice, T> {
+  bool operator()(const CPUDevice& d, const T* g, int64_t n) const {
+    return AllFiniteParallel(d, g, n);
+  }
+};
+
+template <typename T, typename Acc>
+struct DenseAccumulate<CPUDevice, T, Acc> {
+  bool operator()(const CPUDevice& d, const T* g, Acc* s, int64_t n, Acc f, bool assign) const {
+    return CheckedAccumulate(d, g, s, n, f, assign);
+  }
+};
+
+template <typename T, typename Acc>
+struct DenseScale<CPUDevice, T, Acc> {
+  void operator()(const CPUDevice& d, const Acc* s, T* out, int64_t n, Acc scale) const {
+    typename ::tensorflow::TTypes<Acc>::ConstFlat src(s, n);
+    typename ::tensorflow::TTypes<T>::Flat dst(out, n);
+    Assign(d, src * scale, dst, std::is_same<T, Acc>());
+  }
+
+ private:
+  template <typename Expr>
+  static void Assign(const CPUDevice& d, const Expr& e, typename ::tensorflow::TTypes<T>::Flat dst,
+                     std::true_type /*T is Acc*/) {
+    dst.device(d) = e;  // in place when out == s
+  }
+  template <typename Expr>
+  static void Assign(const CPUDevice& d, const Expr& e, typename ::tensorflow::TTypes<T>::Flat dst,
+                     std::false_type) {
+    dst.device(d) = e.template cast<T>();
+  }
+};
+
+template <typename T>
+struct DenseFillZero<CPUDevice, T> {
+  void operator()(const CPUDevice& d, T* out, int64_t n) const {
+    typename ::tensorflow::TTypes<T>::Flat dst(out, n);
+    dst.device(d) = dst.constant(T(0));
+  }
+};
+
+}  // namespace functor
+
 class DenseBufferCreateOp : public OpKernel {
  public:
   explicit DenseBufferCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -161,7 +215,7 @@ class DenseBufferCreateOp : public OpKernel {
   std::string container_, shared_name_;
 };
 
-template <typename T>
+template <typename Device, typename T>
 class DenseBufferPushOp : public OpKernel {
   using Acc = typename AccumulatorType<T>::type;
 
@@ -188,13 +242,13 @@ class DenseBufferPushOp : public OpKernel {
                                         " does not match the buffer's shape ",
                                         buf->shape().DebugString(),
                                         " (the buffer was created for another variable?)."));
-    const CPUDevice& d = ctx->eigen_device<CPUDevice>();
+    const Device& d = ctx->eigen_device<Device>();
     auto g = grad.flat<T>();
 
     const bool error_on_nonfinite = buf->core_.config().error_on_nonfinite;
     if (error_on_nonfinite) {
       // Checked before anything changes, so the push can be refused as a whole.
-      OP_REQUIRES(ctx, AllFiniteParallel(d, g.data(), g.size()),
+      OP_REQUIRES(ctx, (functor::DenseAllFinite<Device, T>()(d, g.data(), g.size())),
                   errors::InvalidArgument("Gradient pushed to ", buf->DebugString(),
                                           " contains NaN or Inf (token ", token,
                                           "). Lower the learning rate or clip gradients, or "
@@ -216,14 +270,20 @@ class DenseBufferPushOp : public OpKernel {
         bool finite = true;
         if (f == 0.0) {
           // Too stale: dropped whatever it holds. Look for NaN/Inf only to count it.
-          finite = AllFiniteParallel(d, g.data(), g.size());
+          finite = functor::DenseAllFinite<Device, T>()(d, g.data(), g.size());
         } else {
           if (!buf->sum_valid) {
-            OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<Acc>::value, buf->shape(),
-                                                   &buf->sum));
+            if (buf->spare.IsInitialized() && buf->spare.RefCountIsOne()) {
+              buf->sum = buf->spare;
+            } else {
+              OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<Acc>::value, buf->shape(),
+                                                     &buf->sum));
+            }
+            buf->spare = Tensor();
           }
-          finite = CheckedAccumulate(d, g.data(), buf->sum.flat<Acc>().data(), g.size(),
-                                     static_cast<Acc>(f), /*assign=*/!buf->sum_valid);
+          finite = functor::DenseAccumulate<Device, T, Acc>()(
+              d, g.data(), buf->sum.flat<Acc>().data(), g.size(), static_cast<Acc>(f),
+              /*assign=*/!buf->sum_valid);
           if (finite) {
             buf->sum_valid = true;
             ++buf->kept;
@@ -263,15 +323,18 @@ class DenseBufferPushOp : public OpKernel {
     if (!out_valid) {  // every gradient of this batch was dropped
       Tensor* out;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(1, buf->shape(), &out));
-      out->flat<T>().device(d) = out->flat<T>().constant(T(0));
+      functor::DenseFillZero<Device, T>()(d, out->flat<T>().data(), out->NumElements());
     } else if (std::is_same<T, Acc>::value) {
-      auto s = out_sum.flat<Acc>();
-      s.device(d) = s * scale;
+      Acc* s = out_sum.flat<Acc>().data();
+      functor::DenseScale<Device, Acc, Acc>()(d, s, s, out_sum.NumElements(), scale);
       ctx->set_output(1, out_sum);
+      std::lock_guard<std::mutex> lock(buf->mu);
+      if (!buf->sum_valid) buf->spare = out_sum;
     } else {
       Tensor* out;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(1, buf->shape(), &out));
-      out->flat<T>().device(d) = (out_sum.flat<Acc>() * scale).template cast<T>();
+      functor::DenseScale<Device, T, Acc>()(d, out_sum.flat<Acc>().data(), out->flat<T>().data(),
+                                            out->NumElements(), scale);
     }
   }
 };
@@ -315,11 +378,46 @@ REGISTER_KERNEL_BUILDER(Name("GBA>DenseBufferSetStep").Device(::tensorflow::DEVI
 #define REGISTER_PUSH(T)                                                                  \
   REGISTER_KERNEL_BUILDER(                                                                \
       Name("GBA>DenseBufferPush").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"), \
-      DenseBufferPushOp<T>);
+      DenseBufferPushOp<CPUDevice, T>);
 TF_CALL_half(REGISTER_PUSH);
 TF_CALL_bfloat16(REGISTER_PUSH);
 TF_CALL_float(REGISTER_PUSH);
 TF_CALL_double(REGISTER_PUSH);
 #undef REGISTER_PUSH
+
+#if GOOGLE_CUDA
+// GPU: the buffer's running sum lives in GPU memory and the arithmetic runs there
+// (dense_buffer_op_gpu.cu.cc); the bookkeeping (step, entries, tickets, statistics) stays on the
+// host, so every scalar input and output is in host memory. Create/Stats/SetStep only touch that
+// bookkeeping; they have GPU registrations so that a buffer created under tf.device("/GPU:0")
+// lives in that device's resource manager, next to its pushes.
+REGISTER_KERNEL_BUILDER(Name("GBA>DenseBufferCreate").Device(::tensorflow::DEVICE_GPU),
+                        DenseBufferCreateOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>DenseBufferStats")
+                            .Device(::tensorflow::DEVICE_GPU)
+                            .HostMemory("global_step")
+                            .HostMemory("entries")
+                            .HostMemory("counters")
+                            .HostMemory("histogram"),
+                        DenseBufferStatsOp);
+REGISTER_KERNEL_BUILDER(
+    Name("GBA>DenseBufferSetStep").Device(::tensorflow::DEVICE_GPU).HostMemory("global_step"),
+    DenseBufferSetStepOp);
+
+#define REGISTER_GPU_PUSH(T)                                     \
+  REGISTER_KERNEL_BUILDER(Name("GBA>DenseBufferPush")            \
+                              .Device(::tensorflow::DEVICE_GPU)  \
+                              .TypeConstraint<T>("T")            \
+                              .HostMemory("token")               \
+                              .HostMemory("ticket")              \
+                              .HostMemory("ready")               \
+                              .HostMemory("global_step"),        \
+                          DenseBufferPushOp<GPUDevice, T>);
+TF_CALL_half(REGISTER_GPU_PUSH);
+TF_CALL_bfloat16(REGISTER_GPU_PUSH);
+TF_CALL_float(REGISTER_GPU_PUSH);
+TF_CALL_double(REGISTER_GPU_PUSH);
+#undef REGISTER_GPU_PUSH
+#endif  // GOOGLE_CUDA
 
 }  // namespace tf_gba

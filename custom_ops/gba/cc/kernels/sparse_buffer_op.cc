@@ -10,9 +10,11 @@
 #include <algorithm>
 #include <mutex>
 #include <numeric>
+#include <vector>
 
 #include "custom_ops/gba/cc/kernels/buffer_core.h"
 #include "custom_ops/gba/cc/kernels/resource_util.h"
+#include "custom_ops/gba/cc/kernels/sparse_buffer_functor.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -31,6 +33,8 @@ using ::tensorflow::PartialTensorShape;
 using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
 namespace errors = ::tensorflow::errors;
+using CPUDevice = Eigen::ThreadPoolDevice;
+using GPUDevice = Eigen::GpuDevice;
 
 class SparseGradientBuffer : public ::tensorflow::ResourceBase {
  public:
@@ -76,6 +80,7 @@ class SparseGradientBuffer : public ::tensorflow::ResourceBase {
   std::vector<Touched> touched;
   std::vector<float> pool_f;     // accumulator rows (float, half, bfloat16 gradients)
   std::vector<double> pool_d;    // accumulator rows (double gradients)
+  Tensor device_pool;            // GPU: accumulator rows in GPU memory (capacity, grown by doubling)
   int64_t push_seq = 0;
 
  private:
@@ -91,6 +96,99 @@ template <>
 std::vector<float>& Pool<float>(SparseGradientBuffer* b) { return b->pool_f; }
 template <>
 std::vector<double>& Pool<double>(SparseGradientBuffer* b) { return b->pool_d; }
+
+// The accumulator rows of the current batch, one per slot, in the device's memory. Reserve makes
+// room for up to `max_rows` rows keeping the first `old_rows` (it may fail: call it before any
+// bookkeeping changes); Grow then zeroes rows [old_rows, new_rows) and returns the pool.
+template <typename Device, typename Acc>
+struct RowPool;
+
+template <typename Acc>
+struct RowPool<CPUDevice, Acc> {
+  static Status Reserve(OpKernelContext*, SparseGradientBuffer*, int64_t, int64_t) {
+    return ::tensorflow::OkStatus();
+  }
+  static Acc* Grow(OpKernelContext*, SparseGradientBuffer* buf, int64_t, int64_t new_rows) {
+    std::vector<Acc>& pool = Pool<Acc>(buf);
+    pool.resize(new_rows * buf->row_size(), Acc(0));
+    return pool.data();
+  }
+};
+
+#if GOOGLE_CUDA
+template <typename Acc>
+struct RowPool<GPUDevice, Acc> {
+  static Status Reserve(OpKernelContext* ctx, SparseGradientBuffer* buf, int64_t old_rows,
+                        int64_t max_rows) {
+    Tensor& pool = buf->device_pool;
+    const int64_t capacity = pool.IsInitialized() ? pool.NumElements() : 0;
+    const int64_t needed = max_rows * buf->row_size();
+    if (needed <= capacity) return ::tensorflow::OkStatus();
+    Tensor grown;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(DataTypeToEnum<Acc>::value,
+                                          TensorShape({std::max(needed, 2 * capacity)}), &grown));
+    const int64_t used = old_rows * buf->row_size();
+    functor::SparsePoolGrow<GPUDevice, Acc>()(ctx->eigen_device<GPUDevice>(),
+                                              used ? pool.flat<Acc>().data() : nullptr, used,
+                                              grown.flat<Acc>().data(), used);
+    pool = grown;  // the old rows' memory is reused only after the copy, in stream order
+    return ::tensorflow::OkStatus();
+  }
+  static Acc* Grow(OpKernelContext* ctx, SparseGradientBuffer* buf, int64_t old_rows,
+                   int64_t new_rows) {
+    if (!buf->device_pool.IsInitialized()) return nullptr;  // no rows yet
+    Acc* pool = buf->device_pool.flat<Acc>().data();
+    functor::SparsePoolGrow<GPUDevice, Acc>()(ctx->eigen_device<GPUDevice>(), pool,
+                                              old_rows * buf->row_size(), pool,
+                                              new_rows * buf->row_size());
+    return pool;
+  }
+};
+#endif  // GOOGLE_CUDA
+
+namespace functor {
+
+// CPU: one thread accumulates (the bookkeeping already runs under the buffer's mutex); the
+// aggregate rows are independent and written in parallel.
+template <typename T>
+struct SparseAllFinite<CPUDevice, T> {
+  bool operator()(const CPUDevice&, const T* x, int64_t n) const { return AllFinite(x, n); }
+};
+
+template <typename T, typename Acc>
+struct SparseAccumulateRows<CPUDevice, T, Acc> {
+  void operator()(const CPUDevice&, const T* rows, int64_t n, int64_t row_size,
+                  const int32_t* slot, const Acc* weight, Acc* pool) const {
+    for (int64_t i = 0; i < n; ++i) {
+      if (slot[i] < 0) continue;
+      Acc* acc = pool + static_cast<int64_t>(slot[i]) * row_size;
+      const T* row = rows + i * row_size;
+      const Acc wa = weight[i];
+      for (int64_t j = 0; j < row_size; ++j) acc[j] += wa * static_cast<Acc>(row[j]);
+    }
+  }
+};
+
+template <typename T, typename Acc>
+struct SparseGatherRows<CPUDevice, T, Acc> {
+  void operator()(const CPUDevice& d, const Acc* pool, int64_t row_size, const int32_t* order,
+                  const Acc* inv, int64_t k, T* out) const {
+    d.parallelFor(k,
+                  Eigen::TensorOpCost(row_size * sizeof(Acc) + 16, row_size * sizeof(T) + 16,
+                                      row_size),
+                  [&](Eigen::Index begin, Eigen::Index end) {
+                    for (Eigen::Index i = begin; i < end; ++i) {
+                      const Acc* acc = pool + static_cast<int64_t>(order[i]) * row_size;
+                      T* dst = out + i * row_size;
+                      for (int64_t j = 0; j < row_size; ++j) {
+                        dst[j] = static_cast<T>(acc[j] * inv[i]);
+                      }
+                    }
+                  });
+  }
+};
+
+}  // namespace functor
 
 class SparseBufferCreateOp : public OpKernel {
  public:
@@ -127,7 +225,7 @@ class SparseBufferCreateOp : public OpKernel {
   std::string container_, shared_name_;
 };
 
-template <typename T, typename Tindex>
+template <typename Device, typename T, typename Tindex>
 class SparseBufferPushOp : public OpKernel {
   using Acc = typename AccumulatorType<T>::type;
 
@@ -170,8 +268,9 @@ class SparseBufferPushOp : public OpKernel {
                                           " (ids must be shard-local row numbers)."));
     }
     const int64_t row_size = buf->row_size();
-    const T* rows = values.flat<T>().data();
-    const bool finite = AllFinite(rows, n * row_size);
+    const T* rows = values.flat<T>().data();  // in the device's memory
+    const Device& d = ctx->eigen_device<Device>();
+    const bool finite = functor::SparseAllFinite<Device, T>()(d, rows, n * row_size);
     OP_REQUIRES(ctx, finite || !buf->core_.config().error_on_nonfinite,
                 errors::InvalidArgument("Embedding gradient pushed to ", buf->DebugString(),
                                         " contains NaN or Inf (token ", token,
@@ -183,17 +282,24 @@ class SparseBufferPushOp : public OpKernel {
     {
       std::lock_guard<std::mutex> lock(buf->mu);
       BufferCore& core = buf->core_;
+      // Room in the pool for this push's new ids comes first: when it cannot be allocated, the
+      // buffer must be left as it was (the push can then be retried with the same ticket).
+      const int64_t old_rows = static_cast<int64_t>(buf->touched.size());
+      OP_REQUIRES_OK(ctx,
+                     (RowPool<Device, Acc>::Reserve(ctx, buf.get(), old_rows, old_rows + n)));
       if (core.AcceptTicket(ticket)) {  // a ticket seen before: the same push delivered again
         if (!finite) ++core.stats().nonfinite;
-        std::vector<Acc>& pool = Pool<Acc>(buf.get());
         const int64_t seq = ++buf->push_seq;
+        // The bookkeeping, on the host: each id's slot in the pool and its weight in this push
+        // (slot -1: weight 0, nothing to add). The rows are added afterwards, on the device.
+        std::vector<int32_t> slot_of(n);
+        std::vector<Acc> weight_of(n);
         for (int64_t i = 0; i < n; ++i) {
           const int64_t id = static_cast<int64_t>(ids(i));
           int32_t& sl = buf->slot[id];
           if (sl < 0) {
             sl = static_cast<int32_t>(buf->touched.size());
             buf->touched.push_back({id, 0, 0, -1});
-            pool.resize(pool.size() + row_size, Acc(0));
           }
           SparseGradientBuffer::Touched& t = buf->touched[sl];
           const int64_t staleness = std::max<int64_t>(0, buf->tags[id] - token);
@@ -208,13 +314,13 @@ class SparseBufferPushOp : public OpKernel {
               ++t.kept;
             }
           }
-          if (w != 0.0) {
-            Acc* acc = pool.data() + static_cast<int64_t>(sl) * row_size;
-            const T* row = rows + i * row_size;
-            const Acc wa = static_cast<Acc>(w);
-            for (int64_t j = 0; j < row_size; ++j) acc[j] += wa * static_cast<Acc>(row[j]);
-          }
+          slot_of[i] = w != 0.0 ? sl : -1;
+          weight_of[i] = static_cast<Acc>(w);
         }
+        Acc* pool = RowPool<Device, Acc>::Grow(ctx, buf.get(), old_rows,
+                                               static_cast<int64_t>(buf->touched.size()));
+        functor::SparseAccumulateRows<Device, T, Acc>()(d, rows, n, row_size, slot_of.data(),
+                                                        weight_of.data(), pool);
         if (core.AddEntry(finite || core.config().count_dropped)) {
           ready = true;
           OP_REQUIRES_OK(ctx, Aggregate(ctx, buf.get(), pool));
@@ -243,14 +349,19 @@ class SparseBufferPushOp : public OpKernel {
   // Writes the aggregate of the completed global batch into outputs 1 and 2 (ids in the order
   // they were first pushed; ids whose every weight was zero left out), tags the aggregated rows
   // with the step k being applied, and clears the batch. Caller holds mu.
-  static Status Aggregate(OpKernelContext* ctx, SparseGradientBuffer* buf,
-                          const std::vector<Acc>& pool) {
+  static Status Aggregate(OpKernelContext* ctx, SparseGradientBuffer* buf, const Acc* pool) {
     const int64_t row_size = buf->row_size();
     const bool by_kept = buf->core_.config().normalize == Normalize::kKept;
     std::vector<int32_t> order;
+    std::vector<Acc> inv;
     order.reserve(buf->touched.size());
+    inv.reserve(buf->touched.size());
     for (int32_t s = 0; s < static_cast<int32_t>(buf->touched.size()); ++s) {
-      if (buf->touched[s].kept > 0) order.push_back(s);
+      const SparseGradientBuffer::Touched& t = buf->touched[s];
+      if (t.kept > 0) {
+        order.push_back(s);
+        inv.push_back(Acc(1) / static_cast<Acc>(by_kept ? t.kept : t.count));
+      }
     }
     const int64_t k = static_cast<int64_t>(order.size());
     Tensor *ids_t, *rows_t;
@@ -258,25 +369,17 @@ class SparseBufferPushOp : public OpKernel {
     TensorShape rows_shape({k});
     rows_shape.AppendShape(buf->row_shape());
     TF_RETURN_IF_ERROR(ctx->allocate_output(2, rows_shape, &rows_t));
-    Tindex* out_ids = ids_t->vec<Tindex>().data();
-    T* out_rows = rows_t->flat<T>().data();
+    Tindex* out_ids = ids_t->vec<Tindex>().data();  // host memory on every device
     const int64_t step = buf->core_.step();
-    // Entries are independent (distinct ids): fill the outputs and tags in parallel.
-    ctx->eigen_device<Eigen::ThreadPoolDevice>().parallelFor(
-        k, Eigen::TensorOpCost(row_size * sizeof(Acc) + 16, row_size * sizeof(T) + 16,
-                               row_size),
-        [&](Eigen::Index begin, Eigen::Index end) {
-          for (Eigen::Index i = begin; i < end; ++i) {
-            const SparseGradientBuffer::Touched& t = buf->touched[order[i]];
-            const Acc inv = Acc(1) / static_cast<Acc>(by_kept ? t.kept : t.count);
-            const Acc* acc = pool.data() + static_cast<int64_t>(order[i]) * row_size;
-            T* dst = out_rows + i * row_size;
-            for (int64_t j = 0; j < row_size; ++j) dst[j] = static_cast<T>(acc[j] * inv);
-            out_ids[i] = static_cast<Tindex>(t.id);
-            // The weights of this batch used the tags from before this line.
-            buf->tags[t.id] = step;
-          }
-        });
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t id = buf->touched[order[i]].id;
+      out_ids[i] = static_cast<Tindex>(id);
+      buf->tags[id] = step;  // the weights of this batch used the tags from before this line
+    }
+    // Entries are independent (distinct ids): the device writes the scaled rows in parallel.
+    functor::SparseGatherRows<Device, T, Acc>()(ctx->eigen_device<Device>(), pool, row_size,
+                                                order.data(), inv.data(), k,
+                                                rows_t->flat<T>().data());
     buf->ClearBatch();
     return ::tensorflow::OkStatus();
   }
@@ -351,7 +454,7 @@ REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferImport").Device(::tensorflow::DEVI
                               .Device(::tensorflow::DEVICE_CPU)         \
                               .TypeConstraint<T>("T")                   \
                               .TypeConstraint<I>("Tindices"),           \
-                          SparseBufferPushOp<T, I>);
+                          SparseBufferPushOp<CPUDevice, T, I>);
 #define REGISTER_PUSH(T)            \
   REGISTER_PUSH_T_I(T, int32_t)     \
   REGISTER_PUSH_T_I(T, int64_t)
@@ -361,5 +464,55 @@ TF_CALL_float(REGISTER_PUSH);
 TF_CALL_double(REGISTER_PUSH);
 #undef REGISTER_PUSH
 #undef REGISTER_PUSH_T_I
+
+#if GOOGLE_CUDA
+// GPU: the accumulator rows live in GPU memory and the row arithmetic runs there
+// (sparse_buffer_op_gpu.cu.cc). The ids, the tags and every other piece of bookkeeping stay on the
+// host, so `indices`, `aggregate_indices` and the scalars are in host memory; only the gradient
+// rows (`values`, `aggregate_values`) are in GPU memory. The other ops only touch the bookkeeping;
+// they have GPU registrations so that a buffer created under tf.device("/GPU:0") lives in that
+// device's resource manager, next to its pushes.
+REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferCreate").Device(::tensorflow::DEVICE_GPU),
+                        SparseBufferCreateOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferStats")
+                            .Device(::tensorflow::DEVICE_GPU)
+                            .HostMemory("global_step")
+                            .HostMemory("entries")
+                            .HostMemory("counters")
+                            .HostMemory("histogram"),
+                        SparseBufferStatsOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferExport")
+                            .Device(::tensorflow::DEVICE_GPU)
+                            .HostMemory("global_step")
+                            .HostMemory("row_tags"),
+                        SparseBufferExportOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferImport")
+                            .Device(::tensorflow::DEVICE_GPU)
+                            .HostMemory("global_step")
+                            .HostMemory("row_tags"),
+                        SparseBufferImportOp);
+
+#define REGISTER_GPU_PUSH_T_I(T, I)                                     \
+  REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferPush")                  \
+                              .Device(::tensorflow::DEVICE_GPU)         \
+                              .TypeConstraint<T>("T")                   \
+                              .TypeConstraint<I>("Tindices")            \
+                              .HostMemory("token")                      \
+                              .HostMemory("ticket")                     \
+                              .HostMemory("indices")                    \
+                              .HostMemory("ready")                      \
+                              .HostMemory("aggregate_indices")          \
+                              .HostMemory("global_step"),               \
+                          SparseBufferPushOp<GPUDevice, T, I>);
+#define REGISTER_GPU_PUSH(T)            \
+  REGISTER_GPU_PUSH_T_I(T, int32_t)     \
+  REGISTER_GPU_PUSH_T_I(T, int64_t)
+TF_CALL_half(REGISTER_GPU_PUSH);
+TF_CALL_bfloat16(REGISTER_GPU_PUSH);
+TF_CALL_float(REGISTER_GPU_PUSH);
+TF_CALL_double(REGISTER_GPU_PUSH);
+#undef REGISTER_GPU_PUSH
+#undef REGISTER_GPU_PUSH_T_I
+#endif  // GOOGLE_CUDA
 
 }  // namespace tf_gba
