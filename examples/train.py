@@ -26,7 +26,9 @@ def define_flags() -> None:
   """Defines the binary's flags (once); every flag has a default that works."""
   if "mode" in FLAGS:
     return
-  flags.DEFINE_enum("mode", "gba", ["gba", "async"], "Training mode.")
+  flags.DEFINE_enum("mode", "gba", ["gba", "async", "dts"],
+                    "gba, async (parameter servers) or dts (synchronous workers, delayed and "
+                    "temporally sparse all-reduce).")
   flags.DEFINE_enum("model", "deepfm", ["deepfm", "dcn", "youtube_dnn"], "Model.")
   flags.DEFINE_string("data", "synthetic",
                       "'synthetic', 'criteo:<file, glob or dir>' or 'movielens100k:<dir>'.")
@@ -52,6 +54,11 @@ def define_flags() -> None:
   flags.DEFINE_integer("day", None, "Train and evaluate on one day of day-split data.")
   flags.DEFINE_integer("seed", 0, "Seed of the model and the input order.")
   flags.DEFINE_bool("strict_data", False, "Fail on a malformed data row instead of skipping it.")
+  flags.DEFINE_integer("dts_delay", 4, "DTS: the all-reduce of step n is consumed at n + t - 1 "
+                       "(1: synchronous).")
+  flags.DEFINE_integer("dts_period", 4, "DTS: communicate every p-th step.")
+  flags.DEFINE_float("dts_latency_ms", 0.0, "DTS: latency injected into each exchange.")
+  flags.DEFINE_enum("dts_inner", "momentum", ["sgd", "momentum"], "DTS: local optimizer.")
   flags.DEFINE_bool("async_staleness_stats", True,
                     "In async mode, push through GBA buffers with M=1 to measure staleness; "
                     "false: the bare optimizer (plain ParameterServerStrategy async).")
@@ -84,7 +91,9 @@ def main(argv=None):
       learning_rate=FLAGS.learning_rate, embedding_dim=FLAGS.embedding_dim,
       eval_examples=FLAGS.eval_examples, day=FLAGS.day, seed=FLAGS.seed,
       strict_data=FLAGS.strict_data, data_options=FLAGS.data_options,
-      async_staleness_stats=FLAGS.async_staleness_stats)
+      async_staleness_stats=FLAGS.async_staleness_stats, dts_delay=FLAGS.dts_delay,
+      dts_period=FLAGS.dts_period, dts_latency_ms=FLAGS.dts_latency_ms,
+      dts_inner=FLAGS.dts_inner)
   try:
     config.validate()
   except ValueError as e:

@@ -71,6 +71,14 @@ def test_plain_async_without_buffers(tmp_path):
   assert summary["pushes"] == 40 and summary["mean_staleness"] == 0.0
 
 
+def test_dts_mode_trains_on_local_workers(tmp_path):
+  summary = _run(tmp_path, mode="dts", dts_delay=2, dts_period=2, learning_rate=0.05)
+  assert summary["mode"] == "dts" and summary["steps"] == 40
+  assert summary["global_qps"] > 0 and summary["eval_auc"] > 0.55
+  with open(tmp_path / "model" / "summary.json") as f:
+    assert json.load(f)["dts_delay"] == 2
+
+
 def test_restores_from_model_dir(tmp_path):
   first = _run(tmp_path)
   second = _run(tmp_path, steps=20)

@@ -6,6 +6,7 @@ from typing import Optional
 from tf_gba.distribute import stragglers as stragglers_lib
 
 PS_MODES = ("gba", "async")
+MODES = PS_MODES + ("dts",)
 MODEL_NAMES = ("deepfm", "dcn", "youtube_dnn")
 
 
@@ -36,6 +37,12 @@ class TrainConfig:
   # Async mode keeps the GBA wrapper with M = 1 (every push applied at once) to measure staleness;
   # False runs the bare inner optimizer, ParameterServerStrategy's own asynchronous training.
   async_staleness_stats: bool = True
+  # --mode=dts: synchronous workers with a delayed (t) and temporally sparse (p) all-reduce.
+  dts_delay: int = 4
+  dts_period: int = 4
+  dts_latency_ms: float = 0.0
+  dts_inner: str = "momentum"
+  dts_momentum: float = 0.9
 
   def data_kwargs(self) -> dict:
     """`--data_options` ("key=value,...") as keyword arguments of the data source.
@@ -61,8 +68,13 @@ class TrainConfig:
     return out
 
   def validate(self) -> None:
-    if self.mode not in PS_MODES:
-      raise ValueError(f"--mode must be one of {PS_MODES}, got {self.mode!r}.")
+    if self.mode not in MODES:
+      raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}.")
+    if self.mode == "dts":
+      if self.dts_delay < 1 or self.dts_period < 1:
+        raise ValueError("--dts_delay and --dts_period must be >= 1 (1 and 1: plain sync).")
+      if self.dts_inner not in ("sgd", "momentum"):
+        raise ValueError(f"--dts_inner must be 'sgd' or 'momentum', got {self.dts_inner!r}.")
     if self.model not in MODEL_NAMES:
       raise ValueError(f"--model must be one of {MODEL_NAMES}, got {self.model!r}.")
     for name in ("num_ps", "num_workers", "local_batch_size", "steps", "log_every",
@@ -92,4 +104,6 @@ class TrainConfig:
   @property
   def num_aggregate(self) -> int:
     """M: local batches per global step (1 in async mode, where every push is a step)."""
-    return 1 if self.mode == "async" else self.global_batch // self.local_batch_size
+    if self.mode in ("async", "dts"):
+      return 1
+    return self.global_batch // self.local_batch_size
