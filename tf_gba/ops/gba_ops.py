@@ -167,21 +167,19 @@ class TokenGenerator(tf.saved_model.experimental.TrackableResource):
     return self.reset(restored_tensors["count"])
 
 
-class DenseBuffer(tf.saved_model.experimental.TrackableResource):
-  """Gradient buffer of one dense variable (or shard), on that variable's device."""
+class _Buffer(tf.saved_model.experimental.TrackableResource):
+  """What dense and sparse buffers share: creation on a device, config, statistics, cleanup."""
 
-  def __init__(self, shape, dtype, config: BufferConfig, device: str = "",
-               initial_step: int = 0, name: str = "dense_buffer"):
+  def __init__(self, dtype, config: BufferConfig, device: str, initial_step: int, name: str):
     super().__init__(device=device)
-    self._shape = tf.TensorShape(shape)
-    if not self._shape.is_fully_defined():
-      raise ValueError(f"A dense buffer needs a fully defined shape, got {self._shape}.")
     self._dtype = tf.as_dtype(dtype)
     self._config = config
     self._initial_step = int(initial_step)
     self._shared_name = _unique_name(name)
+
+  def _create_now(self):
     with tf.init_scope():
-      _ = self.resource_handle
+      _ = self.resource_handle  # create now, eagerly, on the buffer's device
 
   @property
   def config(self) -> BufferConfig:
@@ -191,33 +189,51 @@ class DenseBuffer(tf.saved_model.experimental.TrackableResource):
   def dtype(self):
     return self._dtype
 
-  @property
-  def shape(self):
-    return self._shape
-
-  def _create_resource(self):
-    return _ops().gba_dense_buffer_create(
-        dtype=self._dtype, shape=self._shape, initial_step=self._initial_step,
-        shared_name=self._shared_name, **self._config.attrs())
-
   def _destroy_resource(self):
     _destroy(self.resource_handle)
 
-  def push(self, token, ticket, gradient):
-    """Pushes one gradient; returns (ready, aggregate, global_step). See `GBA>DenseBufferPush`."""
-    with tf.device(self._resource_device):
-      return _ops().gba_dense_buffer_push(
-          self.resource_handle, tf.cast(token, tf.int64), tf.cast(ticket, tf.int64), gradient)
+  def _stats_op(self, handle):
+    raise NotImplementedError
 
   def stats_tensors(self):
     with tf.device(self._resource_device):
-      return _ops().gba_dense_buffer_stats(self.resource_handle)
+      return self._stats_op(self.resource_handle)
 
   def stats(self) -> BufferStats:
     return BufferStats.from_outputs(*[t.numpy() for t in self.stats_tensors()])
 
   def global_step(self) -> tf.Tensor:
     return self.stats_tensors()[0]
+
+
+class DenseBuffer(_Buffer):
+  """Gradient buffer of one dense variable (or shard), on that variable's device."""
+
+  def __init__(self, shape, dtype, config: BufferConfig, device: str = "",
+               initial_step: int = 0, name: str = "dense_buffer"):
+    super().__init__(dtype, config, device, initial_step, name)
+    self._shape = tf.TensorShape(shape)
+    if not self._shape.is_fully_defined():
+      raise ValueError(f"A dense buffer needs a fully defined shape, got {self._shape}.")
+    self._create_now()
+
+  @property
+  def shape(self):
+    return self._shape
+
+  def _stats_op(self, handle):
+    return _ops().gba_dense_buffer_stats(handle)
+
+  def _create_resource(self):
+    return _ops().gba_dense_buffer_create(
+        dtype=self._dtype, shape=self._shape, initial_step=self._initial_step,
+        shared_name=self._shared_name, **self._config.attrs())
+
+  def push(self, token, ticket, gradient):
+    """Pushes one gradient; returns (ready, aggregate, global_step). See `GBA>DenseBufferPush`."""
+    with tf.device(self._resource_device):
+      return _ops().gba_dense_buffer_push(
+          self.resource_handle, tf.cast(token, tf.int64), tf.cast(ticket, tf.int64), gradient)
 
   def set_step(self, step) -> tf.Operation:
     with tf.device(self._resource_device):
@@ -230,38 +246,29 @@ class DenseBuffer(tf.saved_model.experimental.TrackableResource):
     return self.set_step(restored_tensors["global_step"])
 
 
-class SparseBuffer(tf.saved_model.experimental.TrackableResource):
+class SparseBuffer(_Buffer):
   """Gradient buffer of one embedding table (or shard) with per-row staleness tags."""
 
   def __init__(self, num_rows: int, row_shape, dtype, config: BufferConfig, device: str = "",
                initial_step: int = 0, name: str = "sparse_buffer"):
-    super().__init__(device=device)
+    super().__init__(dtype, config, device, initial_step, name)
     self._num_rows = int(num_rows)
     self._row_shape = tf.TensorShape(row_shape)
     if not self._row_shape.is_fully_defined():
       raise ValueError(f"row_shape must be fully defined, got {self._row_shape}.")
-    self._dtype = tf.as_dtype(dtype)
-    self._config = config
-    self._initial_step = int(initial_step)
-    self._shared_name = _unique_name(name)
-    with tf.init_scope():
-      _ = self.resource_handle
-
-  @property
-  def config(self) -> BufferConfig:
-    return self._config
+    self._create_now()
 
   @property
   def num_rows(self) -> int:
     return self._num_rows
 
+  def _stats_op(self, handle):
+    return _ops().gba_sparse_buffer_stats(handle)
+
   def _create_resource(self):
     return _ops().gba_sparse_buffer_create(
         dtype=self._dtype, num_rows=self._num_rows, row_shape=self._row_shape,
         initial_step=self._initial_step, shared_name=self._shared_name, **self._config.attrs())
-
-  def _destroy_resource(self):
-    _destroy(self.resource_handle)
 
   def push(self, token, ticket, indices, values):
     """Pushes embedding rows; returns (ready, ids, rows, global_step). See `GBA>SparseBufferPush`."""
@@ -269,13 +276,6 @@ class SparseBuffer(tf.saved_model.experimental.TrackableResource):
       return _ops().gba_sparse_buffer_push(
           self.resource_handle, tf.cast(token, tf.int64), tf.cast(ticket, tf.int64), indices,
           values)
-
-  def stats_tensors(self):
-    with tf.device(self._resource_device):
-      return _ops().gba_sparse_buffer_stats(self.resource_handle)
-
-  def stats(self) -> BufferStats:
-    return BufferStats.from_outputs(*[t.numpy() for t in self.stats_tensors()])
 
   def export_state(self) -> Tuple[tf.Tensor, tf.Tensor]:
     """Returns (global_step, row_tags)."""

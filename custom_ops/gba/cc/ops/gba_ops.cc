@@ -18,6 +18,15 @@ Status ScalarResource(InferenceContext* c) {
   return ::tensorflow::OkStatus();
 }
 
+// (global_step, entries, counters[7], histogram[bins]) of a dense or sparse buffer.
+Status BufferStatsShape(InferenceContext* c) {
+  c->set_output(0, c->Scalar());
+  c->set_output(1, c->Scalar());
+  c->set_output(2, c->Vector(7));
+  c->set_output(3, c->Vector(c->UnknownDim()));
+  return ::tensorflow::OkStatus();
+}
+
 // Attributes of every buffer: M, the decay rule, normalisation, policies and statistics sizes.
 #define GBA_BUFFER_ATTRS                                  \
   Attr("num_aggregate: int")                              \
@@ -125,13 +134,7 @@ REGISTER_OP("GBA>DenseBufferStats")
     .Output("counters: int64")
     .Output("histogram: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Scalar());
-      c->set_output(1, c->Scalar());
-      c->set_output(2, c->Vector(7));
-      c->set_output(3, c->Vector(c->UnknownDim()));
-      return ::tensorflow::OkStatus();
-    })
+    .SetShapeFn(BufferStatsShape)
     .Doc("counters = [pushes, aggregations, dropped, duplicates, nonfinite, staleness_sum, "
          "staleness_max].");
 
@@ -202,13 +205,7 @@ REGISTER_OP("GBA>SparseBufferStats")
     .Output("counters: int64")
     .Output("histogram: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Scalar());
-      c->set_output(1, c->Scalar());
-      c->set_output(2, c->Vector(7));
-      c->set_output(3, c->Vector(c->UnknownDim()));
-      return ::tensorflow::OkStatus();
-    })
+    .SetShapeFn(BufferStatsShape)
     .Doc("counters = [pushes, aggregations, dropped (push, id) pairs, duplicates, nonfinite, "
          "staleness_sum, staleness_max].");
 
