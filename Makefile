@@ -39,7 +39,7 @@ test: build
 # The main job: DeepFM on synthetic data with GBA, 1 PS + 4 worker processes on 127.0.0.1, under
 # transient stragglers (every step 4x slower with p=0.2) plus worker 0 persistently 2x slower.
 DEMO_ARGS ?= --mode=gba --model=deepfm --data=synthetic --num_ps=1 --num_workers=4 \
-	--stragglers=transient:0.2:4+persistent:2@0 --steps=2000 --log_every=250 --eval_every=1000 \
+	--stragglers=transient:0.2:4+persistent:2@0 --steps=1600 --log_every=200 --eval_every=800 \
 	--model_dir=runs/demo
 
 demo: build
