@@ -17,3 +17,14 @@ if os.environ.get("TF_USE_LEGACY_KERAS", "1") != "1":
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
 
 __version__ = "0.1.0"
+
+_SUBPACKAGES = ("data", "distribute", "models", "ops", "optimizers", "training")
+
+
+def __getattr__(name):
+  # `import tf_gba` stays light (TensorFlow is imported only when a subpackage is used), and
+  # `tf_gba.optimizers.GBA` still works without importing the subpackage first.
+  if name in _SUBPACKAGES:
+    import importlib  # pylint: disable=g-import-not-at-top
+    return importlib.import_module(f"tf_gba.{name}")
+  raise AttributeError(f"module 'tf_gba' has no attribute {name!r}")
