@@ -69,9 +69,11 @@ def test_persistent_straggler_runs_a_third_as_many_steps_async():
   slow, fast = stats[0], stats[1:]
   fast_mean = np.mean([w["steps"] for w in fast])
   ratio = slow["steps"] / fast_mean
-  # 1/3 exactly only if compute were the whole cycle and the fast workers did not speed up
-  # while the slow one sleeps (2 shared cores): accept 0.2-0.55.
-  assert 0.2 < ratio < 0.55, stats
+  # 1/3 exactly only if compute were the whole cycle: the profile stretches the step's compute,
+  # not the RPCs around it, and with 2 shared cores the fast workers speed up while the slow one
+  # sleeps. Seen here: 0.42 under load, 0.55 on an idle machine. Accept 0.2-0.65; the exact
+  # stretch is checked on the delay itself below.
+  assert 0.2 < ratio < 0.65, stats
   # The injected delay is (3 - 1) x the slow worker's own step time.
   assert slow["delay_seconds"] == pytest.approx(2 * slow["busy_seconds"], rel=0.05)
   assert all(w["delay_seconds"] == 0 for w in fast)
