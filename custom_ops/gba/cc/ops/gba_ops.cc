@@ -18,6 +18,19 @@ Status ScalarResource(InferenceContext* c) {
   return ::tensorflow::OkStatus();
 }
 
+// Two scalar outputs (token and ticket; count and M).
+Status TwoScalars(InferenceContext* c) {
+  c->set_output(0, c->Scalar());
+  c->set_output(1, c->Scalar());
+  return ::tensorflow::OkStatus();
+}
+
+// Ops that take (handle, scalar) and output nothing: reset a count, set a step.
+Status ScalarSecondInput(InferenceContext* c) {
+  ShapeHandle unused;
+  return c->WithRank(c->input(1), 0, &unused);
+}
+
 // (global_step, entries, counters[7], histogram[bins]) of a dense or sparse buffer.
 Status BufferStatsShape(InferenceContext* c) {
   c->set_output(0, c->Scalar());
@@ -61,11 +74,7 @@ REGISTER_OP("GBA>TokenGeneratorFetch")
     .Output("token: int64")
     .Output("ticket: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Scalar());
-      c->set_output(1, c->Scalar());
-      return ::tensorflow::OkStatus();
-    })
+    .SetShapeFn(TwoScalars)
     .Doc("Takes the next token floor(i / M) and its unique ticket i.");
 
 REGISTER_OP("GBA>TokenGeneratorCount")
@@ -73,21 +82,14 @@ REGISTER_OP("GBA>TokenGeneratorCount")
     .Output("count: int64")
     .Output("num_aggregate: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Scalar());
-      c->set_output(1, c->Scalar());
-      return ::tensorflow::OkStatus();
-    })
+    .SetShapeFn(TwoScalars)
     .Doc("Number of tokens fetched so far, and M.");
 
 REGISTER_OP("GBA>TokenGeneratorReset")
     .Input("handle: resource")
     .Input("count: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle unused;
-      return c->WithRank(c->input(1), 0, &unused);
-    })
+    .SetShapeFn(ScalarSecondInput)
     .Doc("Sets the fetch count, so the next token is floor(count / M).");
 
 // ---------------------------------------------------------------------------------------------
@@ -142,10 +144,7 @@ REGISTER_OP("GBA>DenseBufferSetStep")
     .Input("handle: resource")
     .Input("global_step: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle unused;
-      return c->WithRank(c->input(1), 0, &unused);
-    })
+    .SetShapeFn(ScalarSecondInput)
     .Doc("Sets the global step and discards pending entries (checkpoint restore).");
 
 // ---------------------------------------------------------------------------------------------
