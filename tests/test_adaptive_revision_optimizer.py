@@ -441,11 +441,14 @@ def test_keras_model_fit():
 # ------------------------------------------------------------------------------------------------
 # A real asynchronous run: one parameter server and two worker processes.
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug under investigation: on an idle machine, about half the runs find z one "
-           "update off the snapshot identity (gbar is exact), i.e. two concurrent dense updates "
-           "of one variable were not fully serialised")
+def _read_op_behind(tensor):
+  """The ReadVariableOp a tensor was taken from, through identities and row gathers."""
+  op = tensor.op
+  while op.type in ("Identity", "GatherV2"):
+    op = op.inputs[0].op
+  return op
+
+
 def test_async_multi_process_cluster():
   """Two workers update concurrently through GBAStrategy(mode="async").
 
@@ -466,6 +469,7 @@ def test_async_multi_process_cluster():
       opt = AdaptiveRevision(alpha=0.1, g0=G0)
       opt.build([w, e])
     assert opt.pre_step_reader_name is not None
+    snapshot_tensors = []
 
     @tf.function
     def step():
@@ -475,9 +479,23 @@ def test_async_multi_process_cluster():
           loss = c_w * tf.reduce_sum(w) + c_e * tf.reduce_sum(tf.gather(e, ids))
         opt.apply_gradients(zip(tape.gradient(loss, [w, e]), [w, e]))
         snapshot = step_context.current().reads[opt.pre_step_reader_name]
+        snapshot_tensors[:] = snapshot
         return snapshot[0], tf.gather(snapshot[1], [1, 3])
 
       return strategy.run(replica_fn)
+
+    # The updates must take gbar_old from the step's pre-step snapshot, not from a read at apply
+    # time (which is AdaGrad; the optimizer's update runs in the strategy's merge_call, on
+    # another thread than the step).
+    graph = step.get_concrete_function().graph
+    applies = {op.type: op for op in graph.get_operations() if "AdaptiveRevision" in op.type}
+    assert set(applies) == {"GBA>ResourceApplyAdaptiveRevision",
+                            "GBA>ResourceSparseApplyAdaptiveRevision"}
+    snapshot_reads = {_read_op_behind(t).name for t in snapshot_tensors}
+    assert len(snapshot_reads) == 2
+    assert {_read_op_behind(applies["GBA>ResourceApplyAdaptiveRevision"].inputs[6]).name,
+            _read_op_behind(applies["GBA>ResourceSparseApplyAdaptiveRevision"].inputs[7]).name
+            } == snapshot_reads
 
     results = [coordinator.schedule(step) for _ in range(steps)]
     coordinator.join()

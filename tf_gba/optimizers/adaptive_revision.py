@@ -58,29 +58,39 @@ from tf_gba.ops import adaptive_revision_ops
 SLOT_NAMES = ("gbar", "z", "z_prime")
 
 _reader_ids = itertools.count()
-# gbar_old tensors for the apply_gradients call in progress, per thread: a stack of
-# (optimizer id, {variable index: gbar_old}). `update_step` is called by the tf_keras base class
-# with only (gradient, variable), so the snapshot travels beside it.
-_pending = threading.local()
+# gbar_old tensors for the apply_gradients call in progress: (optimizer id, graph id) -> a stack of
+# {variable index: gbar_old}. `update_step` is called by the tf_keras base class with only
+# (gradient, variable), so the snapshot travels beside it. Keyed by graph, not thread: under a
+# distribution strategy `apply_gradients` runs in a replica thread but `update_step` runs in the
+# merge_call, on the strategy's own thread (ParameterServerStrategy runs each replica in a thread
+# of its own), tracing into the same graph.
+_pending: Dict[Tuple[int, int], List[Dict[int, Any]]] = {}
+_pending_lock = threading.Lock()
+
+
+def _graph_key(optimizer_id: int) -> Tuple[int, int]:
+  return optimizer_id, id(tf.compat.v1.get_default_graph())
 
 
 @contextlib.contextmanager
 def _pending_gbar_olds(optimizer_id: int, gbar_olds: Dict[int, Any]):
-  stack = getattr(_pending, "stack", None)
-  if stack is None:
-    stack = _pending.stack = []
-  stack.append((optimizer_id, gbar_olds))
+  key = _graph_key(optimizer_id)
+  with _pending_lock:
+    _pending.setdefault(key, []).append(gbar_olds)
   try:
     yield
   finally:
-    stack.pop()
+    with _pending_lock:
+      stack = _pending[key]
+      stack.remove(gbar_olds)
+      if not stack:
+        del _pending[key]
 
 
 def _current_gbar_olds(optimizer_id: int) -> Dict[int, Any]:
-  for owner, gbar_olds in reversed(getattr(_pending, "stack", None) or []):
-    if owner == optimizer_id:
-      return gbar_olds
-  return {}
+  with _pending_lock:
+    stack = _pending.get(_graph_key(optimizer_id))
+    return stack[-1] if stack else {}
 
 
 @keras.utils.register_keras_serializable(package="tf_gba")
