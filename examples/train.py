@@ -26,9 +26,10 @@ def define_flags() -> None:
   """Defines the binary's flags (once); every flag has a default that works."""
   if "mode" in FLAGS:
     return
-  flags.DEFINE_enum("mode", "gba", ["gba", "async", "dts"],
-                    "gba, async (parameter servers) or dts (synchronous workers, delayed and "
-                    "temporally sparse all-reduce).")
+  flags.DEFINE_enum("mode", "gba", ["gba", "async", "bsp", "hop_bs", "hop_bw", "sync", "dts"],
+                    "Parameter-server modes: gba, async, bsp, hop_bs, hop_bw; all-reduce "
+                    "modes: sync (synchronous workers) and dts (delayed and temporally sparse "
+                    "all-reduce). The same model, data and hyper-parameters in every mode.")
   flags.DEFINE_enum("model", "deepfm", ["deepfm", "dcn", "youtube_dnn"], "Model.")
   flags.DEFINE_string("data", "synthetic",
                       "'synthetic', 'criteo:<file, glob or dir>' or 'movielens100k:<dir>'.")
@@ -52,8 +53,20 @@ def define_flags() -> None:
   flags.DEFINE_integer("embedding_dim", 8, "Embedding width.")
   flags.DEFINE_integer("eval_examples", 20000, "Examples of the eval split to evaluate on.")
   flags.DEFINE_integer("day", None, "Train and evaluate on one day of day-split data.")
+  flags.DEFINE_integer("eval_day", None, "Evaluate on every example of this day instead of on "
+                       "the eval split of --day (the next-day protocol).")
   flags.DEFINE_integer("seed", 0, "Seed of the model and the input order.")
   flags.DEFINE_bool("strict_data", False, "Fail on a malformed data row instead of skipping it.")
+  flags.DEFINE_integer("bsp_aggregate", None,
+                       "BSP's b2: gradients per step, whatever their version (default: workers).")
+  flags.DEFINE_integer("hop_bs_bound", 2,
+                       "Hop-BS's b1: a worker blocks while more than b1 steps ahead of the "
+                       "slowest worker.")
+  flags.DEFINE_float("hop_bs_timeout_s", 30.0,
+                     "Hop-BS: a worker blocked this long goes on anyway (counted in the summary).")
+  flags.DEFINE_integer("hop_bw_backup", 1,
+                       "Hop-BW's b3: backup workers; each step takes the first num_workers - b3 "
+                       "gradients of the current version.")
   flags.DEFINE_integer("dts_delay", 4, "DTS: the all-reduce of step n is consumed at n + t - 1 "
                        "(1: synchronous).")
   flags.DEFINE_integer("dts_period", 4, "DTS: communicate every p-th step.")
@@ -89,11 +102,14 @@ def main(argv=None):
       stragglers=FLAGS.stragglers, straggler_seed=FLAGS.straggler_seed, steps=FLAGS.steps,
       model_dir=FLAGS.model_dir, eval_every=FLAGS.eval_every, log_every=FLAGS.log_every,
       learning_rate=FLAGS.learning_rate, embedding_dim=FLAGS.embedding_dim,
-      eval_examples=FLAGS.eval_examples, day=FLAGS.day, seed=FLAGS.seed,
+      eval_examples=FLAGS.eval_examples, day=FLAGS.day, eval_day=FLAGS.eval_day,
+      seed=FLAGS.seed,
       strict_data=FLAGS.strict_data, data_options=FLAGS.data_options,
       async_staleness_stats=FLAGS.async_staleness_stats, dts_delay=FLAGS.dts_delay,
       dts_period=FLAGS.dts_period, dts_latency_ms=FLAGS.dts_latency_ms,
-      dts_inner=FLAGS.dts_inner)
+      dts_inner=FLAGS.dts_inner, bsp_aggregate=FLAGS.bsp_aggregate,
+      hop_bs_bound=FLAGS.hop_bs_bound, hop_bs_timeout_s=FLAGS.hop_bs_timeout_s,
+      hop_bw_backup=FLAGS.hop_bw_backup)
   try:
     config.validate()
   except ValueError as e:

@@ -49,7 +49,9 @@ def _check_summary(model_dir, summary, mode, m):
   assert written["mode"] == mode
   assert written == json.loads(json.dumps(summary))
   assert summary["steps"] == 40
-  assert summary["global_step"] - summary["start_global_step"] == 40 // m
+  # Hop-BW: gradients of an older version take no place in a step.
+  counted = 40 - summary.get("ignored_gradients", 0)
+  assert summary["global_step"] - summary["start_global_step"] == counted // m
   assert 0.0 <= summary["eval_auc"] <= 1.0 and summary["eval_logloss"] > 0
   assert summary["global_qps"] > 0 and len(summary["per_worker"]) == 2
   assert sum(w["steps"] for w in summary["per_worker"]) >= 40
@@ -58,11 +60,44 @@ def _check_summary(model_dir, summary, mode, m):
 
 
 @pytest.mark.parametrize("mode,model,m", [("gba", "deepfm", 2), ("async", "dcn", 1),
-                                          ("gba", "youtube_dnn", 2)])
+                                          ("gba", "youtube_dnn", 2), ("sync", "deepfm", 2),
+                                          ("bsp", "deepfm", 2), ("hop_bs", "deepfm", 2),
+                                          ("hop_bw", "deepfm", 1)])
 def test_each_mode_and_model(tmp_path, mode, model, m):
+  """Every mode from the same binary and flags (2 workers: BSP b2 = 2, Hop-BW N - b3 = 1)."""
   summary = _run(tmp_path, mode=mode, model=model)
   _check_summary(str(tmp_path / "model"), summary, mode, m)
   assert summary["model"] == model
+  assert summary["num_aggregate"] == m
+  if mode == "hop_bs":
+    assert summary["max_lead"] is not None and summary["max_lead"] <= 2
+  if mode == "hop_bw":
+    assert summary["ignored_gradients"] >= 0 and summary["dropped_batches"] == summary[
+        "ignored_gradients"]
+
+
+def test_hop_bs_holds_fast_workers_behind_a_5x_slower_one(tmp_path):
+  """A real barrier on a real cluster: worker 0 is 5x slower; b1 = 1.
+
+  Without the barrier (GBA, same profile) the fast workers run far more steps than worker 0; with
+  it they wait for worker 0, never more than b1 completed steps ahead when they start a step.
+  """
+  common = dict(num_workers=3, steps=60, log_every=30, stragglers="persistent:5@0",
+                hop_bs_bound=1, local_batch_size=64)
+  free = _run(tmp_path / "gba", mode="gba", **common)
+  held = _run(tmp_path / "hop_bs", mode="hop_bs", **common)
+  free_steps = [w["steps"] for w in free["per_worker"]]
+  held_steps = [w["steps"] for w in held["per_worker"]]
+  assert min(free_steps[1:]) >= 2 * free_steps[0], free_steps
+  # A worker starts a step only with a lead <= b1, so it ends at most b1 + 1 ahead.
+  assert max(held_steps) - held_steps[0] <= 1 + 1, held_steps
+  assert held["max_lead"] <= 1
+  slow, fast = held["per_worker"][0], held["per_worker"][1:]
+  assert all(w["barrier_timeouts"] == 0 for w in held["per_worker"])
+  assert all(w["blocked_seconds"] > 0.2 for w in fast), fast
+  assert slow["blocked_seconds"] < min(w["blocked_seconds"] for w in fast)
+  assert held["blocked_seconds"] == pytest.approx(
+      sum(w["blocked_seconds"] for w in held["per_worker"]), abs=0.01)
 
 
 def test_plain_async_without_buffers(tmp_path):

@@ -20,12 +20,13 @@ from typing import Any, Callable, Dict, Optional
 
 import tensorflow as tf
 
+from tf_gba.distribute import modes as modes_lib
 from tf_gba.distribute import step_context
 from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.ops import gba_ops
 
-# mode -> what it means for the optimizer buffers (see `GBAStrategy.buffer_config`).
-MODES = ("gba", "async")
+# The modes and what each means for the buffers: `tf_gba.distribute.modes`.
+MODES = modes_lib.MODES
 PS0_DEVICE = "/job:ps/replica:0/task:0/device:CPU:0"
 
 
@@ -44,24 +45,48 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     stragglers: a straggler profile (see `tf_gba.distribute.stragglers`), applied as real delays
       inside each worker's step; "none" by default.
     straggler_seed: seed of the transient slowdowns.
+    bsp_aggregate: b2, gradients per step in "bsp" mode; default the number of workers.
+    hop_bs_bound: b1 of "hop_bs": how many steps a worker may be ahead of the slowest one.
+    hop_bs_timeout_s: "hop_bs": a worker blocked this long goes on anyway (counted), so that a
+      job whose slowest worker has no more steps to run cannot hang at the end of training.
+    hop_bw_backup: b3 of "hop_bw": backup workers, i.e. each step takes N - b3 gradients.
   """
 
   def __init__(self, cluster_resolver, variable_partitioner=None, mode: str = "gba",
                num_aggregate: Optional[int] = None, stragglers: str = "none",
-               straggler_seed: int = 0):
+               straggler_seed: int = 0, bsp_aggregate: Optional[int] = None,
+               hop_bs_bound: int = modes_lib.DEFAULT_HOP_BS_BOUND,
+               hop_bs_timeout_s: float = modes_lib.DEFAULT_HOP_BS_TIMEOUT_S,
+               hop_bw_backup: int = modes_lib.DEFAULT_HOP_BW_BACKUP):
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
     if num_aggregate is not None and num_aggregate < 1:
       raise ValueError(f"num_aggregate must be >= 1, got {num_aggregate}.")
+    if bsp_aggregate is not None and bsp_aggregate < 1:
+      raise ValueError(f"bsp_aggregate (b2) must be >= 1, got {bsp_aggregate}.")
+    if hop_bs_bound < 0:
+      raise ValueError(f"hop_bs_bound (b1) must be >= 0, got {hop_bs_bound}.")
+    if not hop_bs_timeout_s > 0:
+      raise ValueError(f"hop_bs_timeout_s must be > 0, got {hop_bs_timeout_s}.")
+    spec = cluster_resolver.cluster_spec()
+    num_workers = len(spec.job_tasks("worker"))
+    if mode == "hop_bw" and not 0 <= hop_bw_backup < num_workers:
+      raise ValueError(f"hop_bw_backup (b3) must be in [0, {num_workers - 1}] with {num_workers} "
+                       f"workers (each step takes N - b3 >= 1 gradients), got {hop_bw_backup}.")
     self._gba_stragglers = stragglers_lib.parse(stragglers)
     self._gba_straggler_seed = int(straggler_seed)
     super().__init__(cluster_resolver, variable_partitioner)
-    spec = cluster_resolver.cluster_spec()
     self._gba_mode = mode
-    self._gba_num_workers = len(spec.job_tasks("worker"))
+    self._gba_num_workers = num_workers
     self._gba_num_ps = len(spec.job_tasks("ps"))
     self._gba_num_aggregate = num_aggregate
+    self._gba_bsp_aggregate = bsp_aggregate
+    self._gba_hop_bs_bound = int(hop_bs_bound)
+    self._gba_hop_bs_timeout_ms = int(hop_bs_timeout_s * 1000)
+    self._gba_hop_bw_backup = int(hop_bw_backup)
     self._gba_token_generator: Optional[gba_ops.TokenGenerator] = None
+    self._gba_worker_clock = None
+    self._gba_version_reader: Optional[Callable[[], Any]] = None
     self._gba_pre_step_readers: Dict[str, Callable[[], Any]] = {}
     self._gba_uses_tokens = False
 
@@ -80,9 +105,17 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
   @property
   def num_aggregate(self) -> int:
     """Gradients per global step in this mode (1 in async mode)."""
-    if self._gba_mode == "async":
-      return 1
-    return self._gba_num_aggregate or self._gba_num_workers
+    return modes_lib.num_aggregate_for(self._gba_mode, self._gba_num_workers,
+                                       self._gba_num_aggregate, self._gba_bsp_aggregate,
+                                       self._gba_hop_bw_backup)
+
+  @property
+  def hop_bs_bound(self) -> int:
+    return self._gba_hop_bs_bound
+
+  @property
+  def hop_bw_backup(self) -> int:
+    return self._gba_hop_bw_backup
 
   def register_num_aggregate(self, num_aggregate: Optional[int]) -> int:
     """Called by GBA optimizers: agrees on M, or says clearly why it cannot."""
@@ -100,12 +133,7 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
 
   def buffer_config(self, config: gba_ops.BufferConfig) -> gba_ops.BufferConfig:
     """The optimizer's buffer configuration as this mode runs it."""
-    if self._gba_mode == "async":
-      # One gradient per step, never too stale: each push is applied on arrival.
-      return gba_ops.BufferConfig(num_aggregate=1, staleness_threshold=gba_ops.NEVER_STALE,
-                                  nonfinite=config.nonfinite,
-                                  histogram_bins=config.histogram_bins)
-    return config
+    return modes_lib.buffer_config_for(self._gba_mode, config, self.num_aggregate)
 
   @property
   def token_generator(self) -> gba_ops.TokenGenerator:
@@ -115,6 +143,24 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
         self._gba_token_generator = gba_ops.TokenGenerator(
             self.num_aggregate, device=PS0_DEVICE, name="job_tokens")
     return self._gba_token_generator
+
+  @property
+  def worker_clock(self):
+    """Hop-BS's per-worker step counters on PS 0 (a `tf_gba.ops.worker_clock.WorkerClock`)."""
+    if self._gba_worker_clock is None:
+      from tf_gba.ops import worker_clock  # pylint: disable=g-import-not-at-top
+      with tf.init_scope():
+        self._gba_worker_clock = worker_clock.WorkerClock(
+            self._gba_num_workers, device=PS0_DEVICE, name="hop_bs_clock")
+    return self._gba_worker_clock
+
+  def register_version_reader(self, fn: Callable[[], Any]) -> None:
+    """Called by GBA optimizers: `fn()` reads the model version (the global step, int64).
+
+    In "hop_bw" mode a step's token is that version, read with the parameters, so a gradient
+    is on the current version exactly when its staleness is 0.
+    """
+    self._gba_version_reader = fn
 
   def register_pre_step_reader(self, name: str, fn: Callable[[], Any]) -> None:
     """Runs `fn()` at the start of every step, before the forward pass.
@@ -127,8 +173,32 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     token = ticket = None
     if self._gba_uses_tokens:
       token, ticket = self.token_generator.fetch()
+      if self._gba_mode == "hop_bw":
+        if self._gba_version_reader is None:
+          raise ValueError("mode='hop_bw' needs the GBA optimizer (tf_gba.optimizers.GBA) built "
+                           "under this strategy's scope before training: it provides the "
+                           "model version each step's gradient is judged by.")
+        with tf.control_dependencies([ticket]):
+          token = tf.cast(self._gba_version_reader(), tf.int64)
     reads = {name: fn() for name, fn in self._gba_pre_step_readers.items()}
     return step_context.StepInfo(token=token, ticket=ticket, reads=reads)
+
+  def hop_bs_stats(self) -> Optional[dict]:
+    """Hop-BS: per worker blocked seconds, waits and timeouts, and the largest lead seen."""
+    if self._gba_mode != "hop_bs" or self._gba_worker_clock is None:
+      return None
+    raw = self._gba_worker_clock.stats()
+    # Plain Python values: they go into summary.json and TensorBoard as they are.
+    return {"completed": [int(c) for c in raw["completed"]],
+            "blocked_seconds": [float(ns) / 1e9 for ns in raw["blocked_ns"]],
+            "waits": [int(w) for w in raw["waits"]],
+            "timeouts": [int(t) for t in raw["timeouts"]],
+            "max_lead": int(raw["max_lead"])}
+
+  def release_blocked_workers(self) -> None:
+    """Hop-BS: lets every worker blocked at the barrier go on (end of training)."""
+    if self._gba_worker_clock is not None:
+      self._gba_worker_clock.reset()
 
   def worker_step_stats(self):
     """Per worker: steps run, seconds busy and seconds of injected delay (read eagerly)."""
@@ -141,8 +211,21 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     stretches it by the profile's factor before it returns.
     """
 
+    hop_bs = self._gba_mode == "hop_bs"
+    if hop_bs:
+      from tf_gba.ops import worker_clock  # pylint: disable=g-import-not-at-top
+      clock = self.worker_clock
+
     def step_fn(*a, **kw):
-      start = stragglers_lib.step_begin()
+      barrier = []
+      if hop_bs:
+        # The barrier comes first: a blocked worker has neither read parameters nor taken a
+        # token, and its blocked time is not part of the step's measured (stretched) time.
+        worker = worker_clock.worker_index()
+        waited, _ = clock.wait(worker, self._gba_hop_bs_bound, self._gba_hop_bs_timeout_ms)
+        barrier = [waited]
+      with tf.control_dependencies(barrier):
+        start = stragglers_lib.step_begin()
       with tf.control_dependencies([start]):
         info = self._begin_step()
       deps = [t for t in tf.nest.flatten([info.token, info.reads]) if t is not None] + [start]
@@ -151,6 +234,10 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
       done = [t for t in tf.nest.flatten(outputs) if isinstance(t, tf.Tensor)]
       with tf.control_dependencies(done):
         delay = stragglers_lib.step_end(start, self._gba_stragglers, self._gba_straggler_seed)
+      if hop_bs:
+        # Finished (straggler delay included): the slowest worker's count moves the barrier.
+        with tf.control_dependencies([delay]):
+          delay = clock.tick(worker)
       with tf.control_dependencies([delay]):
         return tf.nest.map_structure(
             lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, outputs)

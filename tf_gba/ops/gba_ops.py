@@ -54,6 +54,9 @@ class BufferConfig:
     normalize: "num_aggregate" divides the weighted sum by M (per-id divisor c(id) for embedding
       rows); "kept" divides by the number of gradients with a non-zero weight.
     count_dropped: whether a dropped gradient still takes one of the M places.
+    per_id_staleness: embedding buffers only: True judges each id by its own row's staleness
+      (GBA); False judges every id of a push by the push's dense staleness, so a stale push is
+      dropped whole (Hop-BW's backup workers; with count_dropped=False it leaves no trace).
     nonfinite: "drop" (weight 0, counted) or "error" for gradients with NaN/Inf.
     histogram_bins: size of the staleness histogram; the last bin collects s >= bins - 1.
   """
@@ -63,6 +66,7 @@ class BufferConfig:
   decay_alpha: float = 0.5
   normalize: str = "num_aggregate"
   count_dropped: bool = True
+  per_id_staleness: bool = True
   nonfinite: str = "drop"
   histogram_bins: int = 16
 
@@ -86,7 +90,8 @@ class BufferConfig:
     return dict(num_aggregate=int(self.num_aggregate),
                 staleness_threshold=int(self.staleness_threshold), decay=self.decay,
                 decay_alpha=float(self.decay_alpha), normalize=self.normalize,
-                count_dropped=bool(self.count_dropped), nonfinite=self.nonfinite,
+                count_dropped=bool(self.count_dropped),
+                per_id_staleness=bool(self.per_id_staleness), nonfinite=self.nonfinite,
                 histogram_bins=int(self.histogram_bins))
 
 

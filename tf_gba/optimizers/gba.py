@@ -114,6 +114,8 @@ class GBA(keras.optimizers.Optimizer):
     self._gba_strategy = strategy if hasattr(strategy, "register_num_aggregate") else None
     if self._gba_strategy is not None:
       self._num_aggregate = self._gba_strategy.register_num_aggregate(self._requested_m)
+      # Hop-BW judges gradients by the version (global step) read at the start of their step.
+      self._gba_strategy.register_version_reader(self._read_version)
     else:
       self._num_aggregate = self._requested_m or 1
     self._gba_state = _GBAState()
@@ -165,6 +167,10 @@ class GBA(keras.optimizers.Optimizer):
     return children
 
   # ---- building ----------------------------------------------------------------------------------
+  def _read_version(self):
+    with tf.device(self.iterations.device):
+      return tf.cast(self.iterations.read_value(), tf.int64)
+
   def _token_source(self):
     if self._gba_strategy is not None:
       return self._gba_strategy.token_generator

@@ -3,10 +3,12 @@
 import dataclasses
 from typing import Optional
 
+from tf_gba.distribute import modes as modes_lib
 from tf_gba.distribute import stragglers as stragglers_lib
 
-PS_MODES = ("gba", "async")
-MODES = PS_MODES + ("dts",)
+# Parameter-server modes (GBAStrategy), then the all-reduce ones (one process per worker).
+PS_MODES = modes_lib.MODES
+MODES = PS_MODES + ("sync", "dts")
 MODEL_NAMES = ("deepfm", "dcn", "youtube_dnn")
 
 
@@ -31,12 +33,21 @@ class TrainConfig:
   embedding_dim: int = 8
   eval_examples: int = 20000
   day: Optional[int] = None
+  # Evaluate on every example of this day (train rows, then eval rows) instead of on the eval
+  # split of `day`: the paper's protocol trains on one day and tests on the next.
+  eval_day: Optional[int] = None
   seed: int = 0
   strict_data: bool = False
   data_options: str = ""
   # Async mode keeps the GBA wrapper with M = 1 (every push applied at once) to measure staleness;
   # False runs the bare inner optimizer, ParameterServerStrategy's own asynchronous training.
   async_staleness_stats: bool = True
+  # Baselines (SPEC section 1): BSP's b2 (None: the number of workers), Hop-BS's b1 and the time
+  # a worker waits at its barrier before going on anyway, Hop-BW's b3.
+  bsp_aggregate: Optional[int] = None
+  hop_bs_bound: int = modes_lib.DEFAULT_HOP_BS_BOUND
+  hop_bs_timeout_s: float = modes_lib.DEFAULT_HOP_BS_TIMEOUT_S
+  hop_bw_backup: int = modes_lib.DEFAULT_HOP_BW_BACKUP
   # --mode=dts: synchronous workers with a delayed (t) and temporally sparse (p) all-reduce.
   dts_delay: int = 4
   dts_period: int = 4
@@ -83,6 +94,12 @@ class TrainConfig:
         raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
     if self.eval_every < 0:
       raise ValueError(f"--eval_every must be >= 0 (0: only at the end), got {self.eval_every}.")
+    if self.eval_day is not None and self.eval_day < 0:
+      raise ValueError(f"--eval_day must be >= 0 (unset: the eval split of --day), got "
+                       f"{self.eval_day}.")
+    if self.eval_day is not None and self.mode == "dts":
+      raise ValueError("--eval_day is not supported with --mode=dts (it evaluates on the eval "
+                       "split of --day); leave --eval_day unset.")
     if self.staleness_threshold < 0:
       raise ValueError(f"--staleness_threshold must be >= 0, got {self.staleness_threshold}.")
     if not self.learning_rate > 0:
@@ -93,12 +110,24 @@ class TrainConfig:
             f"--global_batch_size={self.global_batch_size} is not a multiple of "
             f"--local_batch_size={self.local_batch_size}: GBA aggregates a whole number "
             "M = global / local of local batches per step. Pick sizes that divide.")
+    if self.bsp_aggregate is not None and self.bsp_aggregate < 1:
+      raise ValueError(f"--bsp_aggregate (b2) must be >= 1, got {self.bsp_aggregate}.")
+    if self.hop_bs_bound < 0:
+      raise ValueError(f"--hop_bs_bound (b1) must be >= 0, got {self.hop_bs_bound}.")
+    if not self.hop_bs_timeout_s > 0:
+      raise ValueError(f"--hop_bs_timeout_s must be > 0, got {self.hop_bs_timeout_s}.")
+    if self.mode == "hop_bw" and not 0 <= self.hop_bw_backup < self.num_workers:
+      raise ValueError(f"--hop_bw_backup (b3) must be in [0, num_workers - 1] = "
+                       f"[0, {self.num_workers - 1}]: each step takes num_workers - b3 >= 1 "
+                       f"gradients; got {self.hop_bw_backup}.")
     stragglers_lib.parse(self.stragglers)  # raises with a message on a bad profile
     self.data_kwargs()
 
   @property
   def global_batch(self) -> int:
-    """The synchronous global batch GBA keeps: default local batch x workers."""
+    """Examples per global step: GBA keeps the synchronous one (default local x workers)."""
+    if self.mode in ("bsp", "hop_bs", "hop_bw"):
+      return self.num_aggregate * self.local_batch_size
     return self.global_batch_size or self.local_batch_size * self.num_workers
 
   @property
@@ -106,4 +135,9 @@ class TrainConfig:
     """M: local batches per global step (1 in async mode, where every push is a step)."""
     if self.mode in ("async", "dts"):
       return 1
-    return self.global_batch // self.local_batch_size
+    if self.mode in ("gba", "sync"):
+      return (self.global_batch_size or self.local_batch_size * self.num_workers
+              ) // self.local_batch_size
+    return modes_lib.num_aggregate_for(self.mode, self.num_workers,
+                                       bsp_aggregate=self.bsp_aggregate,
+                                       hop_bw_backup=self.hop_bw_backup)

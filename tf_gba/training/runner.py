@@ -25,6 +25,7 @@ from tf_gba.distribute import GBAStrategy
 from tf_gba.distribute import LocalCluster
 from tf_gba.optimizers import GBA
 from tf_gba.training import metrics
+from tf_gba.training import resharding
 from tf_gba.training.config import TrainConfig
 
 
@@ -37,6 +38,17 @@ def _partitioner(num_ps: int):
   # buffer push per step.
   return tf.distribute.experimental.partitioners.MinSizePartitioner(
       min_shard_bytes=256 << 10, max_shards=num_ps)
+
+
+def make_strategy(config: TrainConfig, resolver) -> GBAStrategy:
+  """The `GBAStrategy` of a parameter-server mode, as `config` (the binary's flags) describes it."""
+  return GBAStrategy(resolver, variable_partitioner=_partitioner(config.num_ps),
+                     mode=config.mode,
+                     num_aggregate=config.num_aggregate if config.mode == "gba" else None,
+                     stragglers=config.stragglers, straggler_seed=config.straggler_seed,
+                     bsp_aggregate=config.bsp_aggregate, hop_bs_bound=config.hop_bs_bound,
+                     hop_bs_timeout_s=config.hop_bs_timeout_s,
+                     hop_bw_backup=config.hop_bw_backup)
 
 
 @contextlib.contextmanager
@@ -80,6 +92,13 @@ class _Progress(keras.callbacks.Callback):
       tf.summary.scalar("gba/mean_staleness", dense.get("mean_staleness", 0.0))
       tf.summary.scalar("gba/max_staleness", dense.get("staleness_max", 0))
       tf.summary.scalar("gba/dropped_batches", dense.get("dropped", 0))
+      if job.config.mode == "hop_bw":
+        tf.summary.scalar("hop_bw/ignored_gradients", dense.get("dropped", 0))
+      hop_bs = job.strategy.hop_bs_stats()
+      if hop_bs:
+        tf.summary.scalar("hop_bs/max_lead", hop_bs["max_lead"])
+        for i, blocked in enumerate(hop_bs["blocked_seconds"]):
+          tf.summary.scalar(f"hop_bs/blocked_seconds_{i}", blocked)
       for w in workers:
         tf.summary.scalar(f"workers/qps_{w['worker']}",
                           w["steps"] * job.config.local_batch_size / max(elapsed, 1e-9))
@@ -90,6 +109,22 @@ class _Progress(keras.callbacks.Callback):
         tf.summary.scalar("eval/logloss", result["logloss"])
         _log(f"  eval at step {steps}: AUC {result['auc']:.4f}  logloss {result['logloss']:.4f}")
     job.writer.flush()
+
+
+def eval_dataset(cfg: TrainConfig, data_kwargs: dict) -> tf.data.Dataset:
+  """What a run is evaluated on: batches of 1024, about `eval_examples` examples at most.
+
+  The eval split of `cfg.day`, or with `cfg.eval_day` every example of that day (its train rows,
+  then its eval rows, in order), as in the next-day protocol.
+  """
+  batches = max(1, math.ceil(cfg.eval_examples / 1024))
+  common = dict(batch_size=1024, shuffle_seed=None, strict=cfg.strict_data, **data_kwargs)
+  if cfg.eval_day is None:
+    ds = data_lib.make_dataset(cfg.data, split="eval", day=cfg.day, **common)
+  else:
+    ds = data_lib.make_dataset(cfg.data, split="train", day=cfg.eval_day, **common).concatenate(
+        data_lib.make_dataset(cfg.data, split="eval", day=cfg.eval_day, **common))
+  return ds.take(batches)
 
 
 class _Job:
@@ -117,7 +152,10 @@ class _Job:
     self.manager = tf.train.CheckpointManager(self.checkpoint, config.model_dir, max_to_keep=3)
     self.restored_from = None
     if self.manager.latest_checkpoint:
-      self.checkpoint.restore(self.manager.latest_checkpoint).expect_partial()
+      # Whatever mode and shard count wrote it (sync: every variable whole; another number of
+      # parameter servers): parameters, slots, iterations, GBA tokens and row tags carry over.
+      resharding.restore_training_state(self.manager.latest_checkpoint, self.model,
+                                        self.optimizer)
       self.restored_from = self.manager.latest_checkpoint
     self.writer = tf.summary.create_file_writer(os.path.join(config.model_dir, "tensorboard"))
     self._eval_model = None
@@ -139,12 +177,8 @@ class _Job:
       # restores into it (TF saves sharded variables whole).
       self._eval_model = models_lib.build_model(cfg.model, self.info,
                                                 embedding_dim=cfg.embedding_dim, seed=cfg.seed)
-      batches = max(1, math.ceil(cfg.eval_examples / 1024))
-      ds = data_lib.make_dataset(cfg.data, split="eval", batch_size=1024, day=cfg.day,
-                                 shuffle_seed=None, strict=cfg.strict_data,
-                                 **self.data_kwargs).take(batches)
       feats, labels = [], []
-      for x, y in ds:
+      for x, y in eval_dataset(cfg, self.data_kwargs):
         feats.append(x)
         labels.append(y.numpy())
       self._eval_data = (feats, np.concatenate(labels) if labels else np.zeros(0))
@@ -165,10 +199,11 @@ def run(config: TrainConfig) -> dict:
   os.makedirs(config.model_dir, exist_ok=True)
   if config.mode == "dts":
     return _run_dts(config)
+  if config.mode == "sync":
+    from tf_gba.training import sync_job  # pylint: disable=g-import-not-at-top
+    return sync_job.run_sync(config)
   with _cluster(config) as (resolver, _):
-    strategy = GBAStrategy(resolver, variable_partitioner=_partitioner(config.num_ps),
-                           mode=config.mode, num_aggregate=config.num_aggregate,
-                           stragglers=config.stragglers, straggler_seed=config.straggler_seed)
+    strategy = make_strategy(config, resolver)
     job = _Job(config, strategy)
     start_step = int(job.optimizer.iterations.numpy())
     _log(f"tf_gba: mode={config.mode} model={config.model} data={config.data} "
@@ -196,6 +231,7 @@ def run(config: TrainConfig) -> dict:
       for w in worker_stats:
         w["measured_steps"] = w["steps"]
     stats = _optimizer_stats(job.optimizer)
+    stats["hop_bs"] = strategy.hop_bs_stats()
     evaluation = job.evaluate()
     saved = job.manager.save()
     summary = _summary(config, strategy, history, stats, worker_stats, evaluation, wall,
@@ -274,6 +310,11 @@ def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, s
   per_worker = [{"worker": w["worker"], "steps": w["steps"],
                  "qps": w["measured_steps"] * config.local_batch_size / wall,
                  "injected_delay_seconds": round(w["delay_seconds"], 3)} for w in worker_stats]
+  hop_bs = stats.get("hop_bs")
+  if hop_bs:
+    for w in per_worker:
+      w["blocked_seconds"] = round(hop_bs["blocked_seconds"][w["worker"]], 3)
+      w["barrier_timeouts"] = int(hop_bs["timeouts"][w["worker"]])
   return {
       "mode": config.mode, "model": config.model, "data": config.data,
       "num_ps": strategy.num_ps, "num_workers": strategy.num_workers,
@@ -294,6 +335,11 @@ def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, s
       "dropped_embedding_rows": sparse.get("dropped", 0),
       "nonfinite_gradients": dense_all.get("nonfinite", 0) + sparse.get("nonfinite", 0),
       "duplicate_pushes": dense.get("duplicates", 0),
+      # Hop-BW: gradients of an older version, ignored without taking a place in a step.
+      "ignored_gradients": dense.get("dropped", 0) if config.mode == "hop_bw" else 0,
+      # Hop-BS: time workers spent blocked at the bounded-staleness barrier.
+      "blocked_seconds": (round(sum(hop_bs["blocked_seconds"]), 3) if hop_bs else 0.0),
+      "max_lead": hop_bs["max_lead"] if hop_bs else None,
       "final_train_loss": history.history["loss"][-1] if history.history.get("loss") else None,
       "eval_auc": evaluation["auc"], "eval_logloss": evaluation["logloss"],
       "eval_examples": evaluation["examples"], "checkpoint": saved,
@@ -314,6 +360,12 @@ def print_summary(s: dict) -> None:
       f"  dense staleness       mean {s['mean_staleness']:.2f}  max {s['max_staleness']}",
       f"  dropped batches       {s['dropped_batches']}  (dropped gradients over all variables "
       f"{s['dropped_gradients']}, embedding rows {s['dropped_embedding_rows']})",
+      *([f"  hop_bs barrier        blocked {s['blocked_seconds']:.1f} s over all workers  "
+         f"max lead {s['max_lead']}  per worker "
+         + "  ".join(f"w{w['worker']}={w.get('blocked_seconds', 0):.1f}s"
+                     for w in s["per_worker"])] if s.get("max_lead") is not None else []),
+      *([f"  hop_bw                {s['ignored_gradients']} gradients of an older version "
+         "ignored"] if s["mode"] == "hop_bw" else []),
       f"  eval AUC              {s['eval_auc']:.4f}",
       f"  eval logloss          {s['eval_logloss']:.4f}",
       f"  checkpoint            {s['checkpoint']}",

@@ -42,6 +42,10 @@ struct BufferConfig {
   // Whether a gradient whose weight is 0 (too stale, or non-finite and dropped) still fills one of
   // the M places of the global batch. GBA: yes (the token was spent). Backup workers: no.
   bool count_dropped = true;
+  // Embedding buffers: judge each id by its own row's staleness (GBA), or every id of a push by
+  // the push's dense staleness step - token (Hop-BW: a gradient from an older version is ignored
+  // whole, as a backup worker's would be). Dense buffers always use the dense staleness.
+  bool per_id_staleness = true;
   bool error_on_nonfinite = false;    // else: drop the push (weight 0) and count it
   int64_t histogram_bins = 16;
   int64_t dedupe_window = 1 << 16;    // how many recent tickets are remembered
@@ -57,6 +61,7 @@ inline Status ParseBufferConfig(::tensorflow::OpKernelConstruction* ctx, BufferC
   TF_RETURN_IF_ERROR(ctx->GetAttr("decay_alpha", &alpha));
   TF_RETURN_IF_ERROR(ctx->GetAttr("normalize", &normalize));
   TF_RETURN_IF_ERROR(ctx->GetAttr("count_dropped", &config->count_dropped));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("per_id_staleness", &config->per_id_staleness));
   TF_RETURN_IF_ERROR(ctx->GetAttr("nonfinite", &nonfinite));
   TF_RETURN_IF_ERROR(ctx->GetAttr("histogram_bins", &config->histogram_bins));
   TF_RETURN_IF_ERROR(ctx->GetAttr("dedupe_window", &config->dedupe_window));

@@ -290,11 +290,29 @@ class SparseBufferPushOp : public OpKernel {
       if (core.AcceptTicket(ticket)) {  // a ticket seen before: the same push delivered again
         if (!finite) ++core.stats().nonfinite;
         const int64_t seq = ++buf->push_seq;
+        const BufferConfig& config = core.config();
+        // Hop-BW (per_id_staleness = false): one decision for the whole push, from its dense
+        // staleness; a push dropped without taking a place in the batch leaves no trace in the
+        // pool (not even in the per-id divisors c(id)), as if it had never been sent.
+        const int64_t push_staleness = std::max<int64_t>(0, core.step() - token);
+        const double push_weight = finite ? config.decay.Weight(push_staleness) : 0.0;
+        const bool ignore_push =
+            !config.per_id_staleness && push_weight == 0.0 && !config.count_dropped;
+        std::vector<int32_t> slot_of(n, -1);
+        std::vector<Acc> weight_of(n, Acc(0));
+        if (ignore_push) {
+          std::vector<int64_t> unique_ids(n);
+          for (int64_t i = 0; i < n; ++i) unique_ids[i] = static_cast<int64_t>(ids(i));
+          std::sort(unique_ids.begin(), unique_ids.end());
+          const int64_t num_unique =
+              std::unique(unique_ids.begin(), unique_ids.end()) - unique_ids.begin();
+          for (int64_t i = 0; i < num_unique; ++i) core.RecordStaleness(push_staleness);
+          core.stats().dropped += num_unique;
+        }
+        const int64_t num_bookkept = ignore_push ? 0 : n;  // slots stay -1: nothing is added
         // The bookkeeping, on the host: each id's slot in the pool and its weight in this push
         // (slot -1: weight 0, nothing to add). The rows are added afterwards, on the device.
-        std::vector<int32_t> slot_of(n);
-        std::vector<Acc> weight_of(n);
-        for (int64_t i = 0; i < n; ++i) {
+        for (int64_t i = 0; i < num_bookkept; ++i) {
           const int64_t id = static_cast<int64_t>(ids(i));
           int32_t& sl = buf->slot[id];
           if (sl < 0) {
@@ -302,8 +320,12 @@ class SparseBufferPushOp : public OpKernel {
             buf->touched.push_back({id, 0, 0, -1});
           }
           SparseGradientBuffer::Touched& t = buf->touched[sl];
-          const int64_t staleness = std::max<int64_t>(0, buf->tags[id] - token);
-          const double w = finite ? core.config().decay.Weight(staleness) : 0.0;
+          const int64_t staleness = config.per_id_staleness
+                                        ? std::max<int64_t>(0, buf->tags[id] - token)
+                                        : push_staleness;
+          const double w = config.per_id_staleness
+                               ? (finite ? config.decay.Weight(staleness) : 0.0)
+                               : push_weight;
           if (t.last_push != seq) {  // duplicates within one push count once
             t.last_push = seq;
             ++t.count;
@@ -321,7 +343,9 @@ class SparseBufferPushOp : public OpKernel {
                                                static_cast<int64_t>(buf->touched.size()));
         functor::SparseAccumulateRows<Device, T, Acc>()(d, rows, n, row_size, slot_of.data(),
                                                         weight_of.data(), pool);
-        if (core.AddEntry(finite || core.config().count_dropped)) {
+        const bool counts = config.per_id_staleness ? (finite || config.count_dropped)
+                                                    : (push_weight != 0.0 || config.count_dropped);
+        if (core.AddEntry(counts)) {
           ready = true;
           OP_REQUIRES_OK(ctx, Aggregate(ctx, buf.get(), pool));
           core.FinishAggregation();

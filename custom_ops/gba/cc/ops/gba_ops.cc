@@ -48,6 +48,7 @@ Status BufferStatsShape(InferenceContext* c) {
       .Attr("decay_alpha: float = 0.5")                   \
       .Attr("normalize: string = 'num_aggregate'")        \
       .Attr("count_dropped: bool = true")                 \
+      .Attr("per_id_staleness: bool = true")              \
       .Attr("nonfinite: string = 'drop'")                 \
       .Attr("histogram_bins: int = 16")                   \
       .Attr("dedupe_window: int = 65536")                 \

@@ -1,0 +1,528 @@
+// Worker clock of the bounded-staleness baseline (Hop-BS): one per job, on parameter server 0.
+//
+// The clock counts the steps each worker has completed. Before a step, a worker waits while it
+// is more than `bound` steps ahead of the slowest worker: completed[w] - min_j completed[j] must
+// be <= bound for it to proceed. The wait is an AsyncOpKernel: a blocked wait parks its `done`
+// callback and context in the clock and returns its thread to the executor. With one blocked
+// wait per fast worker on the parameter server, a synchronous wait would take one inter-op thread
+// each, and the ops that would let them go (the slow worker's tick, its pushes, its reads) could
+// then find no thread to run on. The wait is finished later by whichever thread makes its
+// condition true (a tick, a reset), by the clock's timer thread when its timeout passes, by the
+// step's cancellation, or by the clock's destruction.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "custom_ops/gba/cc/kernels/resource_util.h"
+#include "tensorflow/core/framework/cancellation.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+
+namespace tf_gba {
+
+using ::tensorflow::AsyncOpKernel;
+using ::tensorflow::CancellationManager;
+using ::tensorflow::CancellationToken;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+namespace errors = ::tensorflow::errors;
+
+namespace {
+
+constexpr int64_t kNoDeadline = std::numeric_limits<int64_t>::max();
+
+int64_t MonoNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// The same parsing as the straggler ops: the kernel's own device says which worker it runs on.
+int64_t WorkerIndex(const std::string& device) {
+  const std::string key = "/job:worker/replica:0/task:";
+  const size_t pos = device.find(key);
+  if (pos == std::string::npos) return 0;  // not on a worker (single process): worker 0
+  return std::atoll(device.c_str() + pos + key.size());
+}
+
+// A blocked wait: what it takes to finish its op later, from whichever thread releases it.
+struct Waiter {
+  OpKernelContext* ctx = nullptr;
+  AsyncOpKernel::DoneCallback done;
+  int64_t worker = 0;
+  int64_t bound = 0;
+  int64_t start_ns = 0;
+  int64_t deadline_ns = kNoDeadline;
+  CancellationManager* cm = nullptr;
+  CancellationToken token = CancellationManager::kInvalidToken;
+};
+
+// A wait taken out of the clock under its lock, finished (outputs written, `done` called) after
+// the lock is released: `done` may run further ops inline, which may come back to the clock.
+struct Release {
+  Waiter waiter;
+  Status status;  // OK: the op succeeds with (waited_ns, timed_out); else it fails with this
+  int64_t waited_ns = 0;
+  bool timed_out = false;
+  // No cancellation callback to deregister: none was registered, or it is the one releasing the
+  // wait (deregistering from inside it would wait for itself).
+  bool skip_deregister = false;
+};
+
+void Finish(std::vector<Release>* releases) {
+  for (Release& r : *releases) {
+    Waiter& w = r.waiter;
+    if (w.cm != nullptr && w.token != CancellationManager::kInvalidToken && !r.skip_deregister) {
+      // Non-blocking: if the step is being cancelled right now, the callback finds the wait gone.
+      w.cm->TryDeregisterCallback(w.token);
+    }
+    OpKernelContext* ctx = w.ctx;
+    if (r.status.ok()) {
+      Tensor *waited, *timed_out;
+      Status s = ctx->allocate_output(0, TensorShape({}), &waited);
+      if (s.ok()) s = ctx->allocate_output(1, TensorShape({}), &timed_out);
+      if (s.ok()) {
+        waited->scalar<int64_t>()() = r.waited_ns;
+        timed_out->scalar<bool>()() = r.timed_out;
+      } else {
+        ctx->SetStatus(s);
+      }
+    } else {
+      ctx->SetStatus(r.status);
+    }
+    AsyncOpKernel::DoneCallback done = std::move(w.done);
+    done();  // ctx may be gone after this
+  }
+  releases->clear();
+}
+
+// The clock's state and its waiters. Shared (not owned by the resource alone) because the timer
+// thread and the cancellation callbacks hold it too: the resource may be destroyed on the very
+// thread that is running one of them.
+class ClockState : public std::enable_shared_from_this<ClockState> {
+ public:
+  explicit ClockState(int64_t num_workers)
+      : completed_(num_workers, 0),
+        blocked_ns_(num_workers, 0),
+        waits_(num_workers, 0),
+        timeouts_(num_workers, 0),
+        waiting_(num_workers, 0) {}
+
+  int64_t num_workers() const { return static_cast<int64_t>(completed_.size()); }
+
+  void Wait(Waiter w) {
+    std::vector<Release> out;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (shutdown_) {
+        out.push_back(Fail(std::move(w), errors::Cancelled(kDestroyed), true));
+      } else if (Allowed(w.worker, w.bound)) {
+        out.push_back(Proceed(std::move(w), MonoNs()));
+      } else {
+        const uint64_t id = next_id_++;
+        bool cancelled = false;
+        if (w.cm != nullptr) {
+          // Registered under the lock, so a cancellation cannot slip in between the check above
+          // and the parking below: its callback waits for the lock and then finds the wait. The
+          // manager runs callbacks without holding its own lock, so this order cannot deadlock.
+          w.token = w.cm->get_cancellation_token();
+          std::shared_ptr<ClockState> self = shared_from_this();
+          cancelled = !w.cm->RegisterCallback(w.token, [self, id]() { self->Cancel(id); });
+        }
+        if (cancelled) {
+          out.push_back(Fail(std::move(w), errors::Cancelled(kCancelled), true));
+        } else {
+          Park(id, std::move(w));
+        }
+      }
+    }
+    Finish(&out);
+  }
+
+  void Tick(int64_t worker) {
+    std::vector<Release> out;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++completed_[worker];
+      ReleaseAllowed(&out);
+    }
+    Finish(&out);
+  }
+
+  void Reset() {
+    std::vector<Release> out;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::fill(completed_.begin(), completed_.end(), 0);
+      std::fill(blocked_ns_.begin(), blocked_ns_.end(), 0);
+      std::fill(waits_.begin(), waits_.end(), 0);
+      std::fill(timeouts_.begin(), timeouts_.end(), 0);
+      max_lead_ = 0;
+      ReleaseAllowed(&out);  // all workers are level: every wait may go (bounds are >= 0)
+    }
+    Finish(&out);
+  }
+
+  void Stats(std::vector<int64_t>* completed, std::vector<int64_t>* blocked_ns,
+             std::vector<int64_t>* waits, std::vector<int64_t>* timeouts, int64_t* max_lead,
+             std::vector<int64_t>* waiting) {
+    std::lock_guard<std::mutex> lock(mu_);
+    *completed = completed_;
+    *blocked_ns = blocked_ns_;
+    *waits = waits_;
+    *timeouts = timeouts_;
+    *max_lead = max_lead_;
+    *waiting = waiting_;
+  }
+
+  // Called when the resource is destroyed: fails every blocked wait and stops the timer thread.
+  void Shutdown() {
+    std::vector<Release> out;
+    std::thread timer;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      shutdown_ = true;
+      for (auto& entry : waiters_) {
+        out.push_back(Fail(std::move(entry.second), errors::Cancelled(kDestroyed), false));
+      }
+      waiters_.clear();
+      deadlines_.clear();
+      std::fill(waiting_.begin(), waiting_.end(), 0);
+      timer = std::move(timer_);
+    }
+    timer_cv_.notify_all();
+    Finish(&out);
+    if (timer.joinable()) {
+      // The last reference may be dropped by an op that the timer thread's `done` ran inline:
+      // it cannot join itself. It holds the state and exits on its own, having seen shutdown_.
+      if (timer.get_id() == std::this_thread::get_id()) {
+        timer.detach();
+      } else {
+        timer.join();
+      }
+    }
+  }
+
+ private:
+  static constexpr const char* kDestroyed =
+      "The worker clock was destroyed while this wait was blocked.";
+  static constexpr const char* kCancelled = "Worker clock wait cancelled.";
+
+  // completed[worker] - min_j completed[j] <= bound. Requires mu_.
+  bool Allowed(int64_t worker, int64_t bound) const { return Lead(worker) <= bound; }
+  int64_t Lead(int64_t worker) const {
+    return completed_[worker] - *std::min_element(completed_.begin(), completed_.end());
+  }
+
+  // The bookkeeping of a wait that returns with its condition true. Requires mu_.
+  Release Proceed(Waiter w, int64_t now) {
+    Release r;
+    r.waited_ns = std::max<int64_t>(0, now - w.start_ns);
+    blocked_ns_[w.worker] += r.waited_ns;
+    ++waits_[w.worker];
+    max_lead_ = std::max(max_lead_, Lead(w.worker));
+    r.waiter = std::move(w);
+    return r;
+  }
+
+  // The bookkeeping of a wait that gives up after its timeout. Requires mu_.
+  Release TimeOut(Waiter w, int64_t now) {
+    Release r;
+    r.waited_ns = std::max<int64_t>(0, now - w.start_ns);
+    r.timed_out = true;
+    blocked_ns_[w.worker] += r.waited_ns;
+    ++waits_[w.worker];
+    ++timeouts_[w.worker];
+    r.waiter = std::move(w);
+    return r;
+  }
+
+  // A wait that fails (cancelled, clock destroyed): it counts in no statistic.
+  static Release Fail(Waiter w, Status status, bool skip_deregister) {
+    Release r;
+    r.status = std::move(status);
+    r.skip_deregister = skip_deregister;
+    r.waiter = std::move(w);
+    return r;
+  }
+
+  void Park(uint64_t id, Waiter w) {  // requires mu_
+    const int64_t deadline = w.deadline_ns;
+    ++waiting_[w.worker];
+    waiters_.emplace(id, std::move(w));
+    if (deadline == kNoDeadline) return;
+    const bool earliest = deadlines_.empty() || deadline < deadlines_.begin()->first;
+    deadlines_.emplace(deadline, id);
+    if (!timer_.joinable()) {
+      std::shared_ptr<ClockState> self = shared_from_this();
+      timer_ = std::thread([self]() { self->TimerLoop(); });
+    } else if (earliest) {
+      timer_cv_.notify_one();
+    }
+  }
+
+  // Takes a blocked wait out of the clock. Requires mu_.
+  Waiter Take(std::map<uint64_t, Waiter>::iterator it) {
+    const uint64_t id = it->first;
+    Waiter w = std::move(it->second);
+    waiters_.erase(it);
+    --waiting_[w.worker];
+    if (w.deadline_ns != kNoDeadline) deadlines_.erase({w.deadline_ns, id});
+    return w;
+  }
+
+  // Releases every waiter whose condition holds now. Requires mu_.
+  void ReleaseAllowed(std::vector<Release>* out) {
+    const int64_t now = MonoNs();
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      auto next = std::next(it);
+      if (Allowed(it->second.worker, it->second.bound)) {
+        out->push_back(Proceed(Take(it), now));
+      }
+      it = next;
+    }
+  }
+
+  // The step of a blocked wait was cancelled.
+  void Cancel(uint64_t id) {
+    std::vector<Release> out;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = waiters_.find(id);
+      if (it == waiters_.end()) return;  // already released
+      out.push_back(Fail(Take(it), errors::Cancelled(kCancelled), true));
+    }
+    Finish(&out);
+  }
+
+  // Releases waits whose timeout has passed; sleeps until the earliest deadline otherwise.
+  void TimerLoop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    std::vector<Release> out;
+    while (!shutdown_) {
+      if (deadlines_.empty()) {
+        timer_cv_.wait(lock);
+        continue;
+      }
+      const int64_t now = MonoNs();
+      const int64_t first = deadlines_.begin()->first;
+      if (first > now) {
+        timer_cv_.wait_for(lock, std::chrono::nanoseconds(first - now));
+        continue;
+      }
+      while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+        out.push_back(TimeOut(Take(waiters_.find(deadlines_.begin()->second)), now));
+      }
+      lock.unlock();
+      Finish(&out);
+      lock.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable timer_cv_;
+  std::vector<int64_t> completed_, blocked_ns_, waits_, timeouts_, waiting_;
+  int64_t max_lead_ = 0;
+  uint64_t next_id_ = 0;
+  std::map<uint64_t, Waiter> waiters_;
+  std::set<std::pair<int64_t, uint64_t>> deadlines_;  // (deadline_ns, waiter id)
+  std::thread timer_;  // started by the first wait with a timeout
+  bool shutdown_ = false;
+};
+
+}  // namespace
+
+class WorkerClock : public ::tensorflow::ResourceBase {
+ public:
+  explicit WorkerClock(int64_t num_workers)
+      : state_(std::make_shared<ClockState>(num_workers)) {}
+  // Destroying the resource (DestroyResourceOp, or its container being cleared) fails the waits
+  // still blocked with Cancelled instead of leaving their steps hanging.
+  ~WorkerClock() override { state_->Shutdown(); }
+
+  std::string DebugString() const override {
+    return ::tensorflow::strings::StrCat("GBA WorkerClock(num_workers=", state_->num_workers(),
+                                         ")");
+  }
+
+  ClockState* state() { return state_.get(); }
+
+ private:
+  std::shared_ptr<ClockState> state_;
+};
+
+namespace {
+
+Status LookupClock(OpKernelContext* ctx, ::tensorflow::core::RefCountPtr<WorkerClock>* clock) {
+  if (!::tensorflow::TensorShapeUtils::IsScalar(ctx->input(0).shape())) {
+    return errors::InvalidArgument("The worker clock handle must be a scalar, got shape ",
+                                   ctx->input(0).shape().DebugString(), ".");
+  }
+  return LookupResource(ctx, HandleFromInput(ctx, 0), clock);
+}
+
+Status ReadWorker(OpKernelContext* ctx, int index, int64_t num_workers, int64_t* worker) {
+  TF_RETURN_IF_ERROR(ReadScalarInt64(ctx, index, "worker", worker));
+  if (*worker < 0 || *worker >= num_workers) {
+    return errors::InvalidArgument("worker must be in [0, num_workers=", num_workers, "), got ",
+                                   *worker, ".");
+  }
+  return ::tensorflow::OkStatus();
+}
+
+}  // namespace
+
+class WorkerClockCreateOp : public OpKernel {
+ public:
+  explicit WorkerClockCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_workers", &num_workers_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("container", &container_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("shared_name", &shared_name_));
+    OP_REQUIRES(ctx, num_workers_ >= 1,
+                errors::InvalidArgument("num_workers must be >= 1, got ", num_workers_, "."));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    CreateResourceAndOutputHandle<WorkerClock>(ctx, container_, shared_name_,
+                                               [this](WorkerClock** out) {
+                                                 *out = new WorkerClock(num_workers_);
+                                                 return ::tensorflow::OkStatus();
+                                               });
+  }
+
+ private:
+  int64_t num_workers_;
+  std::string container_, shared_name_;
+};
+
+class WorkerClockWaitOp : public AsyncOpKernel {
+ public:
+  using AsyncOpKernel::AsyncOpKernel;
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    const int64_t start = MonoNs();
+    ::tensorflow::core::RefCountPtr<WorkerClock> clock;
+    OP_REQUIRES_OK_ASYNC(ctx, LookupClock(ctx, &clock), done);
+    ClockState* state = clock->state();
+    int64_t worker, bound, timeout_ms;
+    OP_REQUIRES_OK_ASYNC(ctx, ReadWorker(ctx, 1, state->num_workers(), &worker), done);
+    OP_REQUIRES_OK_ASYNC(ctx, ReadScalarInt64(ctx, 2, "bound", &bound), done);
+    OP_REQUIRES_OK_ASYNC(ctx, ReadScalarInt64(ctx, 3, "timeout_ms", &timeout_ms), done);
+    OP_REQUIRES_ASYNC(ctx, bound >= 0,
+                      errors::InvalidArgument("bound must be >= 0, got ", bound, "."), done);
+    OP_REQUIRES_ASYNC(ctx, timeout_ms >= 0,
+                      errors::InvalidArgument("timeout_ms must be >= 0 (0: no time limit), got ",
+                                              timeout_ms, "."),
+                      done);
+    Waiter w;
+    w.ctx = ctx;
+    w.done = std::move(done);
+    w.worker = worker;
+    w.bound = bound;
+    w.start_ns = start;
+    constexpr int64_t kNsPerMs = 1000000;
+    if (timeout_ms > 0 && timeout_ms < (kNoDeadline - start) / kNsPerMs) {
+      w.deadline_ns = start + timeout_ms * kNsPerMs;
+    }
+    w.cm = ctx->cancellation_manager();
+    // The wait may be finished, and ctx freed, before this returns: ctx is not touched after it.
+    state->Wait(std::move(w));
+  }
+};
+
+class WorkerClockTickOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<WorkerClock> clock;
+    OP_REQUIRES_OK(ctx, LookupClock(ctx, &clock));
+    int64_t worker;
+    OP_REQUIRES_OK(ctx, ReadWorker(ctx, 1, clock->state()->num_workers(), &worker));
+    clock->state()->Tick(worker);
+  }
+};
+
+class WorkerClockStatsOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<WorkerClock> clock;
+    OP_REQUIRES_OK(ctx, LookupClock(ctx, &clock));
+    std::vector<int64_t> vectors[4], waiting;
+    int64_t max_lead;
+    clock->state()->Stats(&vectors[0], &vectors[1], &vectors[2], &vectors[3], &max_lead,
+                          &waiting);
+    for (int i = 0; i < 4; ++i) {
+      Tensor* out;
+      const int64_t n = static_cast<int64_t>(vectors[i].size());
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, TensorShape({n}), &out));
+      std::copy(vectors[i].begin(), vectors[i].end(), out->vec<int64_t>().data());
+    }
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({}), &out));
+    out->scalar<int64_t>()() = max_lead;
+  }
+};
+
+class WorkerClockWaitingOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<WorkerClock> clock;
+    OP_REQUIRES_OK(ctx, LookupClock(ctx, &clock));
+    std::vector<int64_t> unused[4], waiting;
+    int64_t max_lead;
+    clock->state()->Stats(&unused[0], &unused[1], &unused[2], &unused[3], &max_lead, &waiting);
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({static_cast<int64_t>(waiting.size())}), &out));
+    std::copy(waiting.begin(), waiting.end(), out->vec<int64_t>().data());
+  }
+};
+
+class WorkerClockResetOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<WorkerClock> clock;
+    OP_REQUIRES_OK(ctx, LookupClock(ctx, &clock));
+    clock->state()->Reset();
+  }
+};
+
+class WorkerIndexOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = WorkerIndex(ctx->device()->name());
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("GBA>WorkerClockCreate").Device(::tensorflow::DEVICE_CPU),
+                        WorkerClockCreateOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>WorkerClockWait").Device(::tensorflow::DEVICE_CPU),
+                        WorkerClockWaitOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>WorkerClockTick").Device(::tensorflow::DEVICE_CPU),
+                        WorkerClockTickOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>WorkerClockStats").Device(::tensorflow::DEVICE_CPU),
+                        WorkerClockStatsOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>WorkerClockWaiting").Device(::tensorflow::DEVICE_CPU),
+                        WorkerClockWaitingOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>WorkerClockReset").Device(::tensorflow::DEVICE_CPU),
+                        WorkerClockResetOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>WorkerIndex").Device(::tensorflow::DEVICE_CPU), WorkerIndexOp);
+
+}  // namespace tf_gba

@@ -1,0 +1,415 @@
+"""`--mode=sync`: the training binary's model trained synchronously, one process per worker.
+
+Synchronous data parallelism is the baseline GBA is measured against: every step, each worker
+computes the gradient of its own local batch, the gradients are all-reduced (a real collective
+between the worker processes, MultiWorkerMirroredStrategy), and every worker applies the same mean
+gradient to its copy of the model. The global batch is local batch x workers, and a step is as slow
+as the slowest worker.
+
+`run_sync(config)` is what the training binary runs for `--mode=sync`: it starts one process per
+worker on 127.0.0.1 (`run_collective_cluster`), each running `run_worker`, echoes the chief's
+progress lines, and returns the summary (the same keys as the parameter-server modes' summary),
+which it also writes to `model_dir/summary.json`. On a real cluster, call `run_worker(config)` on
+every worker with its own TF_CONFIG.
+
+The model, optimizer (Adam), loss and checkpoint layout are those of the parameter-server modes, so
+a checkpoint written by one mode restores in the other, and the same straggler profile slows the
+same workers.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Dict, List
+
+from absl import logging as absl_logging
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+from tf_gba import data as data_lib
+from tf_gba import models as models_lib
+from tf_gba.distribute import stragglers as stragglers_lib
+from tf_gba.distribute.dts_training import evaluate_binary
+from tf_gba.training import config as config_lib
+from tf_gba.training import resharding
+from tf_gba.training.config import TrainConfig
+
+MODE = "sync"
+# The chief marks its progress lines so the launcher can pick them out of its log.
+_PROGRESS_PREFIX = "[sync] "
+
+
+def validate(config: TrainConfig) -> None:
+  """Raises ValueError, with the flag to change, if `config` cannot run in sync mode."""
+  if config.num_workers < 1:
+    raise ValueError(f"--num_workers must be >= 1, got {config.num_workers}.")
+  if config.local_batch_size < 1:
+    raise ValueError(f"--local_batch_size must be >= 1, got {config.local_batch_size}.")
+  sync_batch = config.local_batch_size * config.num_workers
+  if config.global_batch_size is not None and config.global_batch_size != sync_batch:
+    raise ValueError(
+        f"--mode=sync trains on local batch x workers = {config.local_batch_size} x "
+        f"{config.num_workers} = {sync_batch} examples per step, but --global_batch_size="
+        f"{config.global_batch_size}. Leave --global_batch_size unset, or set it to {sync_batch}.")
+  # The remaining checks are shared with the other modes; run them under a mode the config module
+  # knows in case it does not list "sync".
+  checked = config if config.mode in config_lib.MODES else dataclasses.replace(config,
+                                                                               mode="gba")
+  checked.validate()
+
+
+def _worker_config(config: dict) -> TrainConfig:
+  # Built without TrainConfig.validate(), which may not know the "sync" mode; validate() above
+  # runs the checks instead.
+  cfg = TrainConfig(**config)
+  validate(cfg)
+  return cfg
+
+
+def _digest(variables) -> str:
+  """sha256 of the variables' values: equal digests mean bit-identical state."""
+  h = hashlib.sha256()
+  for v in variables:
+    h.update(np.ascontiguousarray(v.numpy()).tobytes())
+  return h.hexdigest()
+
+
+def _step_stats() -> Dict[str, float]:
+  """This process's straggler counters: steps, busy and injected-delay seconds."""
+  # The op reads the counters of the process it runs in; eagerly that is this worker's own.
+  steps, busy, delay, _ = [int(x) for x in stragglers_lib._ops().gba_worker_step_stats().numpy()]  # pylint: disable=protected-access
+  return {"steps": steps, "busy_seconds": busy * 1e-9, "delay_seconds": delay * 1e-9}
+
+
+def build_and_restore(cfg: TrainConfig, strategy, info=None):
+  """The sync model and its Adam under `strategy`, restored from `cfg.model_dir` if it has one.
+
+  Returns:
+    (model, optimizer, restored_from): the checkpoint path restored, or None.
+  """
+  info = info or data_lib.data_info(cfg.data, **cfg.data_kwargs())
+  with strategy.scope():
+    model = models_lib.build_model(cfg.model, info, embedding_dim=cfg.embedding_dim,
+                                   seed=cfg.seed)
+    optimizer = keras.optimizers.Adam(cfg.learning_rate)
+    model.compile(optimizer, loss=keras.losses.BinaryCrossentropy())
+    # Slots now, so that a restore fills them and the checkpoint has the parameter-server modes'
+    # layout (model -> optimizer -> Adam's slots).
+    optimizer.build(model.trainable_variables)
+  latest = tf.train.latest_checkpoint(cfg.model_dir) if os.path.isdir(cfg.model_dir) else None
+  if latest:
+    # Checkpoints of the parameter-server modes may hold a sharded embedding and GBA state; the
+    # resharding restore maps them onto this unsharded model.
+    resharding.restore_training_state(latest, model, optimizer)
+  return model, optimizer, latest
+
+
+def run_worker(config: dict) -> dict:
+  """Trains on this worker (one process of a MultiWorkerMirroredStrategy cluster).
+
+  Every worker must run this with the same `config` (a `TrainConfig` as a dict); the cluster comes
+  from TF_CONFIG. Runs `max(1, steps // workers)` global steps (one global step is one local batch
+  on every worker, so `steps` counts worker steps as in the parameter-server modes), continuing the
+  optimizer's iterations from the checkpoint in `model_dir` if there is one.
+
+  Returns:
+    This worker's numbers: `task`, `num_workers`, `start_global_step`, `global_step`, `steps_run`
+    (global steps), `worker_steps` (steps counted by the straggler kernels), `busy_seconds`,
+    `delay_seconds` (injected by the straggler profile), `measured_steps` and `measured_seconds`
+    (after the first logging interval), `train_seconds`, `final_train_loss` (mean over workers of
+    the last interval), `weights_digest` (sha256 of the model weights and optimizer state: the
+    same on every worker), `restored_from` and `restored_digest` (the state right after the
+    restore, None without a checkpoint); the chief (task 0) adds `checkpoint`, `eval_auc`,
+    `eval_logloss`, `eval_examples`, `global_qps`.
+  """
+  cfg = _worker_config(config)
+  tf.get_logger().setLevel("WARNING")
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  strategy = tf.distribute.MultiWorkerMirroredStrategy()
+  num_workers = strategy.num_replicas_in_sync
+  task = int(strategy.cluster_resolver.task_id or 0)
+  is_chief = task == 0
+  profile = stragglers_lib.parse(cfg.stragglers)
+  options = cfg.data_kwargs()
+  info = data_lib.data_info(cfg.data, **options)
+
+  def log(msg: str) -> None:
+    if is_chief:
+      print(_PROGRESS_PREFIX + msg, flush=True)
+
+  model, optimizer, restored_from = build_and_restore(cfg, strategy, info)
+  checkpoint = tf.train.Checkpoint(model=model)
+  restored_digest = None
+  if restored_from:
+    restored_digest = _digest(list(model.weights) + list(optimizer.variables))
+    log(f"restored from {restored_from} (resharding), global step "
+        f"{int(optimizer.iterations.numpy())}")
+  start_step = int(optimizer.iterations.numpy())
+  total = max(1, cfg.steps // num_workers)
+
+  def dataset_fn(ctx):
+    # Repeating: with a finite dataset every next() on the distributed iterator would be a
+    # cross-worker collective (agreeing on the last partial batch).
+    return data_lib.make_dataset(
+        cfg.data, split="train", batch_size=cfg.local_batch_size,
+        num_shards=ctx.num_input_pipelines, shard_index=ctx.input_pipeline_id, day=cfg.day,
+        repeat=True, shuffle_seed=cfg.seed, strict=cfg.strict_data, **options)
+
+  iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+  variables = model.trainable_variables
+  # Per example, averaged here: the same mean binary cross-entropy as the other modes' compiled
+  # loss (Keras refuses its default reduction inside a distribution strategy).
+  bce = keras.losses.BinaryCrossentropy(reduction=keras.losses.Reduction.NONE)
+
+  def replica_step(batch):
+    features, labels = batch
+    start = stragglers_lib.step_begin()
+    with tf.control_dependencies([start]):
+      with tf.GradientTape() as tape:
+        probs = tf.reshape(model(features, training=True), [-1, 1])
+        loss = tf.reduce_mean(bce(tf.reshape(tf.cast(labels, probs.dtype), [-1, 1]), probs))
+        if model.losses:
+          loss += tf.add_n(model.losses)
+        # The optimizer sums the replicas' gradients: each contributes 1/workers of the mean.
+        scaled = loss / num_workers
+      grads = tape.gradient(scaled, variables)
+    # The straggler delay stretches this worker's own compute (forward and backward), as a slow
+    # machine would, and comes before the all-reduce: the collective, and so every worker, waits
+    # for the slowest one. Timing the all-reduce too would count the wait for other stragglers as
+    # this worker's compute and stretch it again.
+    computed = [t for t in tf.nest.flatten([loss, grads], expand_composites=True)
+                if t is not None]
+    with tf.control_dependencies(computed):
+      delay = stragglers_lib.step_end(start, profile, cfg.straggler_seed)
+    with tf.control_dependencies([delay]):
+      grads = [None if g is None else tf.nest.map_structure(tf.identity, g,
+                                                            expand_composites=True)
+               for g in grads]
+      loss = tf.identity(loss)
+    # Aggregates (all-reduce SUM across the workers) before applying.
+    optimizer.apply_gradients(zip(grads, variables))
+    return loss
+
+  @tf.function
+  def train_step(it):
+    return strategy.run(replica_step, args=(next(it),))
+
+  @tf.function
+  def mean_over_workers(value):
+    def replica_fn(v):
+      # The identity puts the value on this replica's device, where the collective runs.
+      return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN,
+                                                            tf.identity(v))
+    return strategy.run(replica_fn, args=(value,))
+
+  def worker_mean(value: float) -> float:
+    # A collective: every worker calls it at the same steps.
+    out = mean_over_workers(tf.constant(value, tf.float32))
+    return float(strategy.experimental_local_results(out)[0].numpy())
+
+  writer = (tf.summary.create_file_writer(os.path.join(cfg.model_dir, "tensorboard"))
+            if is_chief else None)
+  eval_cache = {}
+
+  def evaluate() -> dict:
+    if "ds" not in eval_cache:
+      # Imported here: the runner imports this module to dispatch --mode=sync.
+      from tf_gba.training.runner import eval_dataset  # pylint: disable=g-import-not-at-top
+      eval_cache["ds"] = eval_dataset(cfg, options).cache()
+    return evaluate_binary(model, eval_cache["ds"])
+
+  log(f"training {total} global steps of {num_workers} x {cfg.local_batch_size} examples "
+      f"(global step {start_step} -> {start_step + total})")
+  losses: List[tf.Tensor] = []
+  interval_losses: List[float] = []
+  final_loss = float("nan")
+  last_eval = 0
+  logged = 0
+  begin = time.perf_counter()
+  interval_begin = begin
+  warm = None  # (time, global steps) after the first interval: tracing and start-up excluded
+  for step in range(1, total + 1):
+    losses.append(strategy.experimental_local_results(train_step(iterator))[0])
+    if step % cfg.log_every and step != total:
+      continue
+    local = float(np.mean([x.numpy() for x in losses]))  # waits for the interval's steps
+    losses.clear()
+    now = time.perf_counter()
+    final_loss = worker_mean(local)
+    interval_losses.append(final_loss)
+    qps = ((step - logged) * cfg.local_batch_size * num_workers /
+           max(now - interval_begin, 1e-9))
+    logged, interval_begin = step, now
+    if warm is None and step < total:
+      warm = (now, step)
+    log(f"step {step * num_workers}/{cfg.steps}  global step {start_step + step}  "
+        f"loss {final_loss:.4f}  QPS {qps:,.0f}")
+    if writer is not None:
+      with writer.as_default(step=step * num_workers):
+        tf.summary.scalar("train/loss", final_loss)
+        tf.summary.scalar("train/global_qps", qps)
+        # The other workers wait for the chief in the next all-reduce meanwhile; as in the
+        # parameter-server modes, evaluation time counts in the measured wall time.
+        if cfg.eval_every and step * num_workers - last_eval >= cfg.eval_every and step < total:
+          last_eval = step * num_workers
+          result = evaluate()
+          tf.summary.scalar("eval/auc", result["auc"])
+          tf.summary.scalar("eval/logloss", result["log_loss"])
+          log(f"  eval at step {step * num_workers}: AUC {result['auc']:.4f}  "
+              f"logloss {result['log_loss']:.4f}")
+      writer.flush()
+  end = time.perf_counter()
+  if warm is None:  # One interval only: nothing to leave out.
+    warm = (begin, 0)
+  measured_steps = total - warm[1]
+  measured_seconds = max(end - warm[0], 1e-9)
+  stats = _step_stats()
+  global_step = int(optimizer.iterations.numpy())
+  digest = _digest(list(model.weights) + list(optimizer.variables))
+
+  # Every worker saves (MultiWorkerMirroredStrategy may need them all to take part); only the
+  # chief's copy is kept, in model_dir.
+  scratch = None if is_chief else tempfile.mkdtemp(prefix="tf_gba_sync_worker_")
+  manager = tf.train.CheckpointManager(checkpoint, cfg.model_dir if is_chief else scratch,
+                                       max_to_keep=3)
+  saved = manager.save(checkpoint_number=global_step)
+  if scratch:
+    shutil.rmtree(scratch, ignore_errors=True)
+
+  result = {
+      "task": task, "num_workers": num_workers, "start_global_step": start_step,
+      "global_step": global_step, "steps_run": total, "worker_steps": stats["steps"],
+      "busy_seconds": stats["busy_seconds"], "delay_seconds": stats["delay_seconds"],
+      "measured_steps": measured_steps, "measured_seconds": measured_seconds,
+      "train_seconds": end - begin, "final_train_loss": final_loss,
+      "interval_losses": interval_losses, "weights_digest": digest,
+      "restored_from": restored_from, "restored_digest": restored_digest,
+  }
+  if is_chief:
+    evaluation = evaluate()
+    result.update(
+        checkpoint=saved, eval_auc=evaluation["auc"], eval_logloss=evaluation["log_loss"],
+        eval_examples=evaluation["examples"],
+        global_qps=measured_steps * cfg.local_batch_size * num_workers / measured_seconds)
+    with writer.as_default(step=total * num_workers):
+      tf.summary.scalar("eval/auc", evaluation["auc"])
+      tf.summary.scalar("eval/logloss", evaluation["log_loss"])
+    writer.flush()
+  return result
+
+
+def _echo_progress(path: str, stop: threading.Event) -> None:
+  """Prints the chief's progress lines from its log as they come, until `stop` and the log end."""
+  f = None
+  while f is None:
+    try:
+      f = open(path, "r", errors="replace")  # pylint: disable=consider-using-with
+    except FileNotFoundError:
+      if stop.is_set():
+        return
+      time.sleep(0.2)
+  pending = ""
+  with f:
+    while True:
+      chunk = f.read()
+      if chunk:
+        pending += chunk
+        *lines, pending = pending.split("\n")
+        for line in lines:
+          if line.startswith(_PROGRESS_PREFIX):
+            print(line[len(_PROGRESS_PREFIX):], flush=True)
+      elif stop.is_set():
+        return
+      else:
+        time.sleep(0.2)
+
+
+def summarize(config: TrainConfig, results: List[dict]) -> dict:
+  """The run's summary from the workers' results, with the parameter-server modes' keys."""
+  chief = results[0]
+  num_workers = int(chief["num_workers"])
+  steps = int(chief["steps_run"]) * num_workers  # worker steps, as the other modes count them
+  measured = int(chief["measured_steps"]) * num_workers
+  per_worker = [{
+      "worker": int(r["task"]), "steps": int(r["worker_steps"]),
+      "qps": r["measured_steps"] * config.local_batch_size / max(r["measured_seconds"], 1e-9),
+      "injected_delay_seconds": round(r["delay_seconds"], 3)} for r in results]
+  return {
+      "mode": MODE, "model": config.model, "data": config.data, "num_ps": 0,
+      "num_workers": num_workers,
+      # Every global step aggregates one local batch from each worker.
+      "num_aggregate": num_workers, "local_batch_size": config.local_batch_size,
+      "global_batch_size": config.local_batch_size * num_workers,
+      "stragglers": config.stragglers, "steps": steps,
+      "examples": steps * config.local_batch_size,
+      # The training loop's time, as in the other modes (start-up and final evaluation apart).
+      "wall_seconds": chief["train_seconds"],
+      "global_qps": chief["global_qps"], "qps_measured_over_steps": measured,
+      "per_worker": per_worker,
+      "global_step": int(chief["global_step"]),
+      "start_global_step": int(chief["start_global_step"]),
+      # Synchronous: every gradient is applied to the step it was computed for, none dropped.
+      "pushes": steps, "mean_staleness": 0.0, "max_staleness": 0, "staleness_histogram": [],
+      "dropped_batches": 0, "dropped_gradients": 0, "dropped_embedding_rows": 0,
+      "nonfinite_gradients": 0, "duplicate_pushes": 0,
+      # Hop-BW's ignored gradients and Hop-BS's barrier: none here (the all-reduce is the only
+      # wait, and it is in the step time).
+      "ignored_gradients": 0, "blocked_seconds": 0.0, "max_lead": None,
+      "final_train_loss": chief["final_train_loss"], "eval_auc": chief["eval_auc"],
+      "eval_logloss": chief["eval_logloss"], "eval_examples": chief["eval_examples"],
+      "checkpoint": chief["checkpoint"],
+  }
+
+
+def run_sync(config: TrainConfig, timeout_s: float = 24 * 3600.0) -> dict:
+  """Trains synchronously on `config.num_workers` local worker processes; returns the summary.
+
+  Also writes the summary to `model_dir/summary.json` and prints it; the workers' logs are kept
+  in `model_dir/worker_logs`.
+
+  Raises:
+    ValueError: a bad configuration, or TF_CONFIG is set (this starts its own workers).
+    tf_gba.distribute.collective_cluster.ClusterError: a worker failed or `timeout_s` passed; the
+      message holds the end of each worker's log.
+  """
+  # Imported here: the runner imports this module to dispatch --mode=sync.
+  from tf_gba.distribute.collective_cluster import run_collective_cluster  # pylint: disable=g-import-not-at-top
+  from tf_gba.training.runner import print_summary  # pylint: disable=g-import-not-at-top
+
+  if os.environ.get("TF_CONFIG"):
+    raise ValueError("--mode=sync starts its own worker processes on this machine; TF_CONFIG is "
+                     "set. On a real cluster call tf_gba.training.sync_job.run_worker on every "
+                     "worker with its TF_CONFIG (or unset TF_CONFIG to train locally).")
+  validate(config)
+  config = dataclasses.replace(config, mode=MODE)
+  os.makedirs(config.model_dir, exist_ok=True)
+  print(f"tf_gba: mode=sync model={config.model} data={config.data} "
+        f"workers={config.num_workers} local batch={config.local_batch_size} "
+        f"global batch={config.local_batch_size * config.num_workers} "
+        f"global steps={max(1, config.steps // config.num_workers)} "
+        f"stragglers={config.stragglers}", flush=True)
+  log_dir = os.path.join(config.model_dir, "worker_logs")
+  chief_log = os.path.join(log_dir, "worker_0.log")
+  if os.path.exists(chief_log):
+    os.remove(chief_log)  # A previous run's lines must not be echoed again.
+  stop = threading.Event()
+  echo = threading.Thread(target=_echo_progress, args=(chief_log, stop), daemon=True)
+  echo.start()
+  try:
+    results = run_collective_cluster(
+        "tf_gba.training.sync_job:run_worker", num_workers=config.num_workers,
+        kwargs={"config": dataclasses.asdict(config)}, timeout_s=timeout_s, log_dir=log_dir)
+  finally:
+    stop.set()
+    echo.join(5.0)
+  summary = summarize(config, results)
+  with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  print_summary(summary)
+  return summary
