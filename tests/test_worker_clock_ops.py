@@ -491,7 +491,9 @@ def test_num_workers_must_be_positive():
 def test_worker_index_is_zero_outside_a_cluster():
   assert int(worker_clock.worker_index()) == 0
   assert int(tf.function(worker_clock.worker_index)()) == 0
-  with tf.device("/job:localhost/replica:0/task:0/device:CPU:0"):
+  # This process's own CPU: /job:localhost, or /job:chief after an earlier test in the same
+  # process connected to a local cluster as its coordinator; never a worker.
+  with tf.device(tf.config.list_logical_devices("CPU")[0].name):
     assert int(worker_clock.worker_index()) == 0
 
 

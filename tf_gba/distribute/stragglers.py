@@ -9,10 +9,17 @@ A profile is chosen by a string (the training binary's `--stragglers` flag):
                             1x, 3x, 3x, then 1x slower in consecutive 5 s windows (the last
                             factor holds afterwards)
   transient:0.1:3+persistent:2@1   several at once; factors multiply
+  compute:40+transient:0.2:4       every step takes at least 40 ms (before its slowdown)
 
 A slowdown of s sleeps (s - 1) x the step's own measured time at the end of the step, on the
 worker itself (`GBA>StepEnd`), so the rest of the job sees exactly what a slow machine causes.
 Transient draws hash (seed, worker, step): the same seed gives the same slow steps.
+
+`compute:<ms>` emulates workers on machines of their own: a step whose own compute took less than
+ms milliseconds is padded (sleeping) to ms, and the slowdown then stretches that. On a small
+machine running many worker processes, the real compute time is mostly time spent waiting for
+a shared core, and a sleeping straggler hands its core to the others; with a compute floor well
+above the real compute time, throughput shows how each mode waits for slow workers instead.
 """
 
 import json
@@ -62,6 +69,15 @@ def parse(spec: str) -> str:
       if not 0.0 <= p <= 1.0:
         raise ValueError(f"straggler profile {item!r}: probability must be in [0, 1].")
       parts.append(f"transient;{p};{_factor(fields[1], item)}")
+    elif kind == "compute":
+      try:
+        ms = float(rest)
+      except ValueError:
+        ms = -1.0
+      if not ms > 0:
+        raise ValueError(f"straggler profile {item!r}: expected compute:<milliseconds> with a "
+                         "positive number, e.g. compute:40")
+      parts.append(f"compute;{ms}")
     elif kind == "trace":
       if not os.path.exists(rest):
         raise ValueError(f"straggler trace file {rest!r} does not exist.")
@@ -79,7 +95,7 @@ def parse(spec: str) -> str:
       parts.append(f"trace;{window};" + ",".join(entries))
     else:
       raise ValueError(f"Unknown straggler profile {item!r}; expected none, persistent:<factor>"
-                       "[@workers], transient:<p>:<factor> or trace:<file.json> (join several "
+                       "[@workers], transient:<p>:<factor>, trace:<file.json> or compute:<ms> (join several "
                        "with '+').")
   return "+".join(parts)
 

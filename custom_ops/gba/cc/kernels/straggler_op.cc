@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "custom_ops/gba/cc/kernels/worker_index.h"
 #include "tensorflow/core/framework/op_kernel.h"
 
 namespace tf_gba {
@@ -66,13 +67,6 @@ std::vector<std::string> Split(const std::string& s, char sep) {
   return out;
 }
 
-int64_t WorkerIndex(const std::string& device) {
-  const std::string key = "/job:worker/replica:0/task:";
-  const size_t pos = device.find(key);
-  if (pos == std::string::npos) return 0;  // not on a worker (single process): worker 0
-  return std::atoll(device.c_str() + pos + key.size());
-}
-
 }  // namespace
 
 class StepBeginOp : public OpKernel {
@@ -105,7 +99,11 @@ class StepEndOp : public OpKernel {
     const int64_t step = g_steps.fetch_add(1);
     const double elapsed_s = (start - g_first_mono_ns.load()) * 1e-9;
     const double factor = Factor(step, elapsed_s);
-    const int64_t delay = static_cast<int64_t>((factor - 1.0) * static_cast<double>(busy));
+    // compute:<ms> pads the step to the compute time of a machine of its own, then the slowdown
+    // stretches that: delay = (floor - busy) + (factor - 1) * floor.
+    const int64_t base = std::max(busy, compute_floor_ns_);
+    const int64_t delay =
+        (base - busy) + static_cast<int64_t>((factor - 1.0) * static_cast<double>(base));
     if (delay > 0) std::this_thread::sleep_for(std::chrono::nanoseconds(delay));
     g_busy_ns += busy;
     g_delay_ns += std::max<int64_t>(0, delay);
@@ -137,6 +135,11 @@ class StepEndOp : public OpKernel {
         part.kind = Part::kTransient;
         part.p = std::atof(f[1].c_str());
         part.factor = std::atof(f[2].c_str());
+      } else if (f[0] == "compute" && f.size() == 2) {
+        const double ms = std::atof(f[1].c_str());
+        if (!(ms > 0)) return errors::InvalidArgument("Compute floor must be > 0 ms.");
+        compute_floor_ns_ = std::max(compute_floor_ns_, static_cast<int64_t>(ms * 1e6));
+        continue;  // not a slowdown factor
       } else if (f[0] == "trace" && f.size() == 3) {
         part.kind = Part::kTrace;
         part.window_s = std::atof(f[1].c_str());
@@ -150,8 +153,8 @@ class StepEndOp : public OpKernel {
       } else {
         return errors::InvalidArgument(
             "Unknown straggler profile '", spec,
-            "'; expected persistent;<task>=<factor>,..., transient;<p>;<factor> or "
-            "trace;<window_s>;<task>=<f0>:<f1>...");
+            "'; expected persistent;<task>=<factor>,..., transient;<p>;<factor>, "
+            "trace;<window_s>;<task>=<f0>:<f1>... or compute;<ms>");
       }
       if (part.factor < 1.0) return errors::InvalidArgument("Slowdown factors must be >= 1.");
       for (double x : part.trace) {
@@ -186,6 +189,7 @@ class StepEndOp : public OpKernel {
 
   int64_t seed_;
   int64_t worker_;
+  int64_t compute_floor_ns_ = 0;  // compute:<ms>, 0 when absent
   std::vector<Part> parts_;
 };
 

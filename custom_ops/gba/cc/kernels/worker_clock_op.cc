@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "custom_ops/gba/cc/kernels/resource_util.h"
+#include "custom_ops/gba/cc/kernels/worker_index.h"
 #include "tensorflow/core/framework/cancellation.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -48,14 +49,6 @@ int64_t MonoNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
-}
-
-// The same parsing as the straggler ops: the kernel's own device says which worker it runs on.
-int64_t WorkerIndex(const std::string& device) {
-  const std::string key = "/job:worker/replica:0/task:";
-  const size_t pos = device.find(key);
-  if (pos == std::string::npos) return 0;  // not on a worker (single process): worker 0
-  return std::atoll(device.c_str() + pos + key.size());
 }
 
 // A blocked wait: what it takes to finish its op later, from whichever thread releases it.
