@@ -71,9 +71,21 @@ def test_same_seed_same_model_and_unknown_name():
 LEARN = dict(num_examples=6000, num_eval_examples=2000, vocab_size=100, seed=0)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_learns_the_synthetic_truth(name):
+@pytest.fixture
+def global_seed():
+  """TensorFlow's global seed set for one test, and unset after it.
+
+  A global seed left set changes what every later `shuffle(seed=...)` in this process draws, so
+  in-process references would no longer see the order that fresh worker processes see.
+  """
   keras.utils.set_random_seed(0)
+  yield
+  tf.random.set_seed(None)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_learns_the_synthetic_truth(name, global_seed):  # pylint: disable=redefined-outer-name
+  del global_seed
   info = data.data_info("synthetic", **LEARN)
   model = models.build_model(name, info)
   model.compile(optimizer=keras.optimizers.Adam(0.002), loss=keras.losses.BinaryCrossentropy(),

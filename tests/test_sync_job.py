@@ -68,6 +68,9 @@ def _adam_reference(cfg: TrainConfig, global_steps: int, shards=(0, 1)):
   Gradients come from TensorFlow (the model's own backward pass, one shard batch at a time, on
   the reference's current weights); their mean and the Adam update are computed here in float64.
   """
+  # The workers are fresh processes with no global seed: draw the same shuffle order here even if
+  # something earlier in this process set one.
+  tf.random.set_seed(None)
   options = cfg.data_kwargs()
   info = data_lib.data_info(cfg.data, **options)
   model = models_lib.build_model(cfg.model, info, embedding_dim=cfg.embedding_dim, seed=cfg.seed)
