@@ -158,7 +158,7 @@ def _selected_rows(files: Sequence[str], split: str, split_rows: bool, eval_ever
       keep = is_eval if split == "eval" else tf.logical_not(is_eval)
     else:
       j, keep = g, tf.ones_like(g, tf.bool)
-    keep = tf.logical_and(keep, j % num_shards == shard_index)
+    keep = tf.logical_and(keep, j % num_shards == tf.cast(shard_index, tf.int64))
     selected = _Rows(rows.file, tf.boolean_mask(rows.number, keep),
                      tf.boolean_mask(rows.text, keep))
     return rows_before + tf.size(g, out_type=tf.int64), selected

@@ -22,7 +22,9 @@ def check_common_args(split: str, batch_size: int, num_shards: int, shard_index:
     raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
   if num_shards < 1:
     raise ValueError(f"num_shards must be >= 1, got {num_shards}.")
-  if not 0 <= shard_index < num_shards:
+  # A tensor index is the worker's own, read at run time (parameter-server workers); it is checked
+  # where it is used.
+  if not isinstance(shard_index, tf.Tensor) and not 0 <= shard_index < num_shards:
     raise ValueError(f"shard_index must be in [0, num_shards={num_shards}), got {shard_index}.")
 
 
@@ -43,16 +45,23 @@ def from_arrays(info: DataInfo, features: Mapping[str, np.ndarray], labels: np.n
   one gather per batch instead of one tf.data element per row, which keeps it cheap for a million
   rows.
   """
-  rows = np.arange(shard_index, len(labels), num_shards)
-  columns = {name: tf.constant(np.asarray(features[name])[rows], tf.int64)
-             for name in info.categorical}
-  columns.update({name: tf.constant(np.asarray(features[name])[rows], tf.float32)
+  columns = {name: tf.constant(np.asarray(features[name]), tf.int64) for name in info.categorical}
+  columns.update({name: tf.constant(np.asarray(features[name]), tf.float32)
                   for name in info.numeric})
-  label = tf.constant(np.asarray(labels)[rows], tf.float32)
+  label = tf.constant(np.asarray(labels), tf.float32)
 
-  ds = tf.data.Dataset.range(len(rows))
+  # The shard's row indices; `shard_index` may be a tensor (the worker's index, known only where
+  # the pipeline runs), so the rows are selected in the pipeline, not with NumPy.
+  if isinstance(shard_index, tf.Tensor):
+    shard_index = tf.cast(shard_index, tf.int64)
+    check = tf.debugging.assert_less(shard_index, tf.constant(num_shards, tf.int64),
+                                      message=f"shard_index must be < num_shards={num_shards}")
+    with tf.control_dependencies([check]):
+      shard_index = tf.identity(shard_index)
+  ds = tf.data.Dataset.range(shard_index, len(labels), num_shards)
   if shuffle_seed is not None:
-    ds = ds.shuffle(max(len(rows), 1), seed=shuffle_seed, reshuffle_each_iteration=True)
+    shard_rows = -(-len(labels) // num_shards)  # an upper bound of the shard's rows
+    ds = ds.shuffle(max(shard_rows, 1), seed=shuffle_seed, reshuffle_each_iteration=True)
   if repeat:
     ds = ds.repeat()
   ds = ds.batch(batch_size)

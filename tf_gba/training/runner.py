@@ -23,6 +23,7 @@ from tf_gba import data as data_lib
 from tf_gba import models as models_lib
 from tf_gba.distribute import GBAStrategy
 from tf_gba.distribute import LocalCluster
+from tf_gba.ops import worker_clock
 from tf_gba.optimizers import GBA
 from tf_gba.training import metrics
 from tf_gba.training import resharding
@@ -162,12 +163,24 @@ class _Job:
     self._eval_data = None
 
   def dataset_fn(self, ctx: Optional[tf.distribute.InputContext]):
+    """Worker i of N reads shard i of N of the training rows, as in synchronous training.
+
+    ParameterServerStrategy traces this once for every worker and hands each the same
+    InputContext (one input pipeline, id 0), so the worker's index is read where the pipeline
+    runs, by the op that tells a worker its task index. Without it every worker would read the
+    whole day in the same order and the workers' gradients of one step would be of the same
+    batches.
+    """
     cfg = self.config
+    num_shards, shard_index = 1, 0
+    if ctx is not None and ctx.num_input_pipelines > 1:
+      num_shards, shard_index = ctx.num_input_pipelines, ctx.input_pipeline_id
+    elif self.strategy.num_workers > 1:
+      num_shards, shard_index = self.strategy.num_workers, worker_clock.worker_index()
     return data_lib.make_dataset(
-        cfg.data, split="train", batch_size=cfg.local_batch_size,
-        num_shards=ctx.num_input_pipelines if ctx else 1,
-        shard_index=ctx.input_pipeline_id if ctx else 0, day=cfg.day, repeat=True,
-        shuffle_seed=cfg.seed, strict=cfg.strict_data, **self.data_kwargs)
+        cfg.data, split="train", batch_size=cfg.local_batch_size, num_shards=num_shards,
+        shard_index=shard_index, day=cfg.day, repeat=True, shuffle_seed=cfg.seed,
+        strict=cfg.strict_data, **self.data_kwargs)
 
   def evaluate(self) -> dict:
     """AUC and logloss on the eval split, with the current parameters copied to this process."""
