@@ -1,0 +1,704 @@
+"""AUC after switching modes, QPS, staleness and drops: the paper's evaluation in one command.
+
+  python -m benchmarks.switching [--data=synthetic] [--days=4] [--seeds=2]
+                                 [--modes=sync,gba,async,bsp,hop_bs,hop_bw]
+                                 [--stragglers=transient] [--base_days=1] [--steps_per_day=auto]
+                                 [--out=runs/bench_switching]
+  python -m benchmarks.switching --data=movielens100k:/path/to/ml-100k --days=4 --seeds=2
+  python -m benchmarks.switching --data=criteo:/path/to/train.tsv.gz --seeds=1   # one day: smoke
+
+Protocol (SPEC section 1, "Switching" and "What the paper measures"):
+
+* The data is split into `--days` consecutive days (`num_days` of the synthetic and MovieLens
+  sources; MovieLens is split by time). Day `d`'s model is evaluated on day `d + 1`: every example
+  of it, its train rows and then its eval rows (the next day is never trained on before that).
+* Direction "sync -> mode" (the paper's Table 6.4): a base model is trained with `sync` on days
+  `0 .. base_days - 1`; from its checkpoint, each mode trains day by day on days
+  `base_days .. days - 2`, one run per day, each run continuing the previous day's checkpoint.
+* Direction "mode -> sync" (Table 6.8): a base is trained in each mode on the base days, then
+  continued with `sync` on the same days. `sync -> sync` is the same chain in both directions, so
+  it runs once.
+* Every run is `tf_gba.training.runner.run(TrainConfig(...))` in a fresh process (each starts its
+  own local cluster: 1 PS and `--num_workers` workers, or the sync job's worker processes), with
+  the same hyper-parameters in every mode: learning rate, optimizer (Adam), local batch,
+  iota, straggler profile. Every run of a day trains the same number of worker steps, i.e.
+  processes the same number of examples (`steps` counts local batches in every mode; a sync
+  global step is one local batch on each worker); by default one pass over the day's train rows.
+* Seeds vary the model initialisation, the input order and the straggler draws; the data stays
+  the same. Tables give mean +- sample std over seeds; differences are paired per seed.
+
+QPS (Table 5.2) is each "sync -> mode" run's global QPS, measured by the runner after the first
+of four logging intervals (start-up and tracing excluded), averaged over the days of a seed.
+Staleness and drops (Table 5.3) are the dense buffer's counters over the same runs: mean staleness
+weighted by pushes, the max, and the number of dropped batches (Hop-BW: gradients of an older
+version it ignored).
+
+A source with a single day (Criteo files carry no timestamps) cannot follow the next-day protocol:
+the base and the switched run then both train on day 0 (two passes) and the switched run is
+evaluated on day 0's held-out eval split. The output says so; use it as a smoke run.
+
+Writes `results.md`, `results.json`, `auc_per_day.png`, `qps.png` and `staleness_histogram.png`
+to `--out`, and the runs themselves (checkpoints, summaries, logs) under `--out/runs`. Exits with
+status 1 if a run failed (the tables then mark that mode; the error and log are in the output);
+`--resume` then runs only what is missing.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+# Before TensorFlow loads (make_protocol reads the data here): no GPU probing, no INFO lines.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALL_MODES = ("sync", "gba", "async", "bsp", "hop_bs", "hop_bw")
+# As in benchmarks/mode_qps.py; "dedicated" adds a 100 ms compute floor per step, so that workers
+# sharing a few cores wait for each other as on machines of their own (see stragglers.py).
+PROFILES = {"none": "none", "transient": "transient:0.2:4+persistent:2@0",
+            "dedicated": "compute:100+transient:0.2:4+persistent:2@0"}
+# Sources whose examples carry a day (a `num_days` option); the others have one day.
+DAY_SOURCES = ("synthetic", "movielens100k")
+# The synthetic default: small days so that the plain command finishes in about half an hour on
+# two CPU cores, with the library's drift of the planted truth from one day to the next.
+SYNTHETIC_OPTIONS = "num_examples=32768,drift=0.1"
+# Logging intervals per run: the runner measures QPS after the first one.
+INTERVALS = 4
+DIRECTIONS = ("from_sync", "to_sync")
+TITLES = {"from_sync": "sync -> mode (base trained with sync, then each mode; Table 6.4)",
+          "to_sync": "mode -> sync (base trained in each mode, then sync; Table 6.8)"}
+# Runs in a fresh interpreter: each run starts (and tears down) its own cluster. Exiting without
+# interpreter teardown spares the log TF writes about remote handles it can no longer release.
+_CHILD = ("import json, os, sys\n"
+          "from tf_gba.training import TrainConfig, run\n"
+          "run(TrainConfig(**json.loads(sys.argv[1])))\n"
+          "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)\n")
+
+
+@dataclasses.dataclass
+class Protocol:
+  """The days and sizes every run of one invocation shares."""
+  data_options: str         # passed to every run (with num_days for a day-split source)
+  num_days: int             # days of the split (1: a one-day source)
+  base_days: List[int]      # days the base models train on
+  train_days: List[int]     # days each mode trains on after the switch
+  eval_days: List[int]      # the day each of them is evaluated on (the same day: one-day source)
+  next_day: bool            # False for a one-day source: eval split of the same day
+  train_rows: int           # train rows of the first day
+  eval_examples: int        # examples each run is evaluated on
+  steps_per_day: int        # worker steps (local batches) per run, in every mode
+
+
+class RunFailed(Exception):
+  """A training run exited with an error; carries the log's tail."""
+
+
+# ------------------------------------------------------------------------------------------------
+# The protocol: days, sizes and the runs' configurations.
+
+def _source_kind(data: str) -> str:
+  return data.partition(":")[0].strip().lower()
+
+
+def _count_rows(data: str, options: dict, split: str, day: int) -> int:
+  """Examples of one split of one day, counted by reading them as the runs will."""
+  from tf_gba import data as data_lib  # pylint: disable=g-import-not-at-top
+  ds = data_lib.make_dataset(data, split=split, day=day, batch_size=1 << 16, shuffle_seed=None,
+                             **options)
+  return int(sum(int(y.shape[0]) for _, y in ds))
+
+
+def make_protocol(args: argparse.Namespace) -> Protocol:
+  """Splits the data into days and sizes the runs."""
+  from tf_gba.training.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  options = args.data_options
+  if options is None:
+    options = SYNTHETIC_OPTIONS if _source_kind(args.data) == "synthetic" else ""
+  has_days = _source_kind(args.data) in DAY_SOURCES
+  if has_days:
+    if args.days < args.base_days + 2:
+      raise ValueError(f"--days={args.days}: need at least --base_days + 2 = "
+                       f"{args.base_days + 2} days (the base days, a day after the switch and "
+                       "the next day to evaluate it on).")
+    options = ",".join(filter(None, [options, f"num_days={args.days}"]))
+  kwargs = TrainConfig(data=args.data, data_options=options).data_kwargs()
+  from tf_gba import data as data_lib  # pylint: disable=g-import-not-at-top
+  num_days = data_lib.data_info(args.data, **kwargs).num_days
+  if num_days == 1:
+    print(f"{args.data}: one day only; smoke protocol: base and switched runs both train on "
+          "day 0, the switched run is evaluated on day 0's eval split (not the next day).",
+          flush=True)
+    base, train, evals = [0], [0], [0]
+  else:
+    base = list(range(args.base_days))
+    train = list(range(args.base_days, num_days - 1))
+    evals = [d + 1 for d in train]
+  train_rows = _count_rows(args.data, kwargs, "train", 0)
+  # Enough to take all of the largest evaluation day (train and eval rows; one-day source: the
+  # eval split only).
+  splits = ("eval",) if num_days == 1 else ("train", "eval")
+  eval_examples = max(sum(_count_rows(args.data, kwargs, split, d) for split in splits)
+                      for d in set(evals))
+  # Worker steps must split into INTERVALS logging intervals in every mode; a sync interval is
+  # counted in global steps (num_workers local batches each).
+  quantum = INTERVALS * args.num_workers
+  steps = args.steps_per_day or math.ceil(train_rows / args.local_batch_size)
+  steps = max(quantum, quantum * math.ceil(steps / quantum))
+  return Protocol(data_options=options, num_days=num_days, base_days=base, train_days=train,
+                  eval_days=evals, next_day=num_days > 1, train_rows=train_rows,
+                  eval_examples=eval_examples, steps_per_day=steps)
+
+
+def run_config(args: argparse.Namespace, protocol: Protocol, mode: str, seed: int, day: int,
+               eval_day: Optional[int], model_dir: str) -> dict:
+  """The TrainConfig (as a dict) of one run: the same hyper-parameters in every mode."""
+  steps = protocol.steps_per_day
+  # Logging intervals: worker steps in the parameter-server modes, global steps in sync.
+  log_every = steps // INTERVALS // (args.num_workers if mode == "sync" else 1)
+  return dict(
+      mode=mode, model=args.model, data=args.data, data_options=protocol.data_options,
+      num_ps=1, num_workers=args.num_workers, local_batch_size=args.local_batch_size,
+      learning_rate=args.learning_rate, staleness_threshold=args.staleness_threshold,
+      stragglers=PROFILES.get(args.stragglers, args.stragglers), straggler_seed=seed, seed=seed,
+      steps=steps, log_every=log_every, eval_examples=protocol.eval_examples, day=day,
+      eval_day=eval_day if protocol.next_day else None, model_dir=model_dir)
+
+
+# ------------------------------------------------------------------------------------------------
+# Running: one process per run, each continuing a copy of the previous run's checkpoint.
+
+def _latest_checkpoint(model_dir: str) -> str:
+  """The prefix ("ckpt-8") the checkpoint state file of `model_dir` names as the latest."""
+  with open(os.path.join(model_dir, "checkpoint")) as f:
+    for line in f:
+      key, _, value = line.partition(":")
+      if key.strip() == "model_checkpoint_path":
+        return os.path.basename(value.strip().strip('"'))
+  raise RunFailed(f"{model_dir}/checkpoint names no model_checkpoint_path.")
+
+
+def continue_from(previous: str, model_dir: str) -> None:
+  """Makes `model_dir` a fresh directory holding only the latest checkpoint of `previous`.
+
+  Only that checkpoint is copied, with a state file naming it alone: the next run restores it
+  whatever the mode that wrote it, and cannot mistake an older one for it.
+  """
+  prefix = _latest_checkpoint(previous)
+  os.makedirs(model_dir)
+  for name in os.listdir(previous):
+    if name.startswith(prefix + "."):
+      shutil.copy2(os.path.join(previous, name), model_dir)
+  with open(os.path.join(model_dir, "checkpoint"), "w") as f:
+    f.write(f'model_checkpoint_path: "{prefix}"\nall_model_checkpoint_paths: "{prefix}"\n')
+
+
+def _error_tail(log: str, limit: int = 4000) -> Tuple[str, str]:
+  """(the last exception line, the last traceback) of a run's log (or the log's end)."""
+  start = log.rfind("Traceback (most recent call last)")
+  # From the traceback on (TF's connection errors at teardown follow it), else the log's end.
+  tail = log[start:start + limit] if start >= 0 else log[-limit:]
+  raised = [l.strip() for l in tail.splitlines() if re.match(r"\s*[\w.]+(Error|Exception)\b", l)]
+  return (raised[-1] if raised else "no exception in the log"), tail
+
+
+def run_one(config: dict, log_path: str, timeout_s: float) -> dict:
+  """Runs one TrainConfig in a fresh process; returns its summary.
+
+  Raises:
+    RunFailed: the run exited with an error or timed out; the message holds the traceback.
+  """
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+  with open(log_path, "w") as log:
+    try:
+      proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(config)], cwd=ROOT,
+                            env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                            check=False)
+      code = proc.returncode
+    except subprocess.TimeoutExpired:
+      code = "timeout"
+  summary_path = os.path.join(config["model_dir"], "summary.json")
+  if code != 0 or not os.path.exists(summary_path):
+    with open(log_path, errors="replace") as f:
+      raised, tail = _error_tail(f.read())
+    raise RunFailed(f"{raised[:300]} (exit status {code}, limit {timeout_s:.0f} s; log "
+                    f"{log_path})\n{tail}")
+  with open(summary_path) as f:
+    return json.load(f)
+
+
+_CONFIG_FILE = "bench_config.json"
+
+
+def _finished(model_dir: str, config: dict) -> Optional[dict]:
+  """The summary of a run already done in `model_dir` with this very config, else None."""
+  try:
+    with open(os.path.join(model_dir, _CONFIG_FILE)) as f:
+      same = json.load(f) == config
+    with open(os.path.join(model_dir, "summary.json")) as f:
+      return json.load(f) if same else None
+  except (OSError, ValueError):
+    return None
+
+
+_KEPT = ("eval_auc", "eval_logloss", "eval_examples", "global_qps", "wall_seconds", "steps",
+         "examples", "global_step", "start_global_step", "pushes", "mean_staleness",
+         "max_staleness", "staleness_histogram", "dropped_batches", "ignored_gradients",
+         "blocked_seconds", "final_train_loss")
+
+
+class Runner:
+  """Runs and records the chains of one invocation."""
+
+  def __init__(self, args: argparse.Namespace, protocol: Protocol):
+    self.args = args
+    self.protocol = protocol
+    self.records: List[dict] = []
+    self.root = os.path.join(args.out, "runs")
+
+  def run(self, chain: str, mode: str, seed: int, day: int, eval_day: int, previous,
+          direction: str, **extra):
+    """Runs one day of a chain after `previous`; returns its model_dir.
+
+    `previous` is the model_dir of the chain's previous day, None to start from scratch, or
+    False if an earlier day of the chain failed: this day is then recorded as skipped. Returns
+    False (and records the failure) if this run fails.
+    """
+    record = {"direction": direction, "mode": mode, "seed": seed, "day": day,
+              "eval_day": eval_day if self.protocol.next_day else None, **extra}
+    model_dir = os.path.join(self.root, f"seed{seed}", chain, f"day{day}")
+    if previous is False:  # An earlier day of this chain failed.
+      self.records.append({**record, "status": "skipped", "model_dir": model_dir})
+      return False
+    config = run_config(self.args, self.protocol, mode, seed, day, eval_day, model_dir)
+    t0 = time.time()
+    summary = _finished(model_dir, config) if self.args.resume else None
+    if summary is None:
+      shutil.rmtree(model_dir, ignore_errors=True)
+      if previous:
+        continue_from(previous, model_dir)
+      else:
+        os.makedirs(model_dir)
+      with open(os.path.join(model_dir, _CONFIG_FILE), "w") as f:
+        json.dump(config, f, indent=2)
+      try:
+        summary = run_one(config, os.path.join(model_dir, "run.log"), self.args.run_timeout)
+      except RunFailed as e:
+        self.records.append({**record, "status": "failed", "model_dir": model_dir,
+                             "config": config, "error": str(e)})
+        print(f"  FAILED {chain} day {day} seed {seed}: {str(e).splitlines()[0]}", flush=True)
+        return False
+    else:
+      record["resumed"] = True
+    self.records.append({**record, "status": "ok", "model_dir": model_dir,
+                         "process_seconds": time.time() - t0,
+                         **{k: summary.get(k) for k in _KEPT}})
+    target = (f"day {eval_day}" if self.protocol.next_day else f"the eval split of day {day}")
+    print(f"  {chain:20s} seed {seed} day {day} -> {target}: "
+          f"AUC {summary['eval_auc']:.4f}  logloss {summary['eval_logloss']:.4f}  "
+          f"QPS {summary['global_qps']:,.0f}  staleness {summary['mean_staleness']:.2f}/"
+          f"{summary['max_staleness']}  dropped {summary['dropped_batches']}  "
+          f"({time.time() - t0:.0f} s)", flush=True)
+    return model_dir
+
+  def seed(self, seed: int, modes: Sequence[str]) -> None:
+    """Every chain of one seed, the days interleaved over modes (slow drifts hit all alike)."""
+    p = self.protocol
+    bases = {}
+    for mode in ["sync"] + [m for m in modes if m != "sync"]:
+      previous = None
+      for day in p.base_days:
+        previous = self.run(f"base_{mode}", mode, seed, day, day + 1, previous, "base",
+                            base_mode=mode)
+      bases[mode] = previous
+    heads = {("from_sync", m): bases["sync"] for m in modes}
+    heads.update({("to_sync", m): bases[m] for m in modes if m != "sync"})
+    for day, eval_day in zip(p.train_days, p.eval_days):
+      for mode in modes:
+        heads[("from_sync", mode)] = self.run(
+            f"from_sync/{mode}", mode, seed, day, eval_day, heads[("from_sync", mode)],
+            "from_sync", base_mode="sync")
+        if mode != "sync":
+          heads[("to_sync", mode)] = self.run(
+              f"to_sync/{mode}", "sync", seed, day, eval_day, heads[("to_sync", mode)],
+              "to_sync", base_mode=mode)
+    # sync -> sync is one chain; it is the "sync" row of both directions.
+    for r in [r for r in self.records if r["direction"] == "from_sync" and r["mode"] == "sync"
+              and r["seed"] == seed]:
+      self.records.append({**r, "direction": "to_sync", "base_mode": "sync",
+                           "shared_with": "from_sync"})
+
+
+# ------------------------------------------------------------------------------------------------
+# Tables.
+
+def mean_std(values: Sequence[float]) -> dict:
+  """Mean and sample standard deviation (None for fewer than two values)."""
+  vals = [float(v) for v in values]
+  if not vals:
+    return {"mean": None, "std": None, "n": 0, "values": []}
+  return {"mean": float(np.mean(vals)), "std": float(np.std(vals, ddof=1)) if len(vals) > 1
+          else None, "n": len(vals), "values": vals}
+
+
+def _chains(records: List[dict], direction: str, mode: str, seeds: Sequence[int],
+            num_days: int) -> Dict[int, List[dict]]:
+  """seed -> the chain's runs in day order, for the seeds whose chain completed every day."""
+  out = {}
+  for seed in seeds:
+    runs = sorted((r for r in records if r["direction"] == direction and r["row"] == mode
+                   and r["seed"] == seed), key=lambda r: r["day"])
+    if len(runs) == num_days and all(r["status"] == "ok" for r in runs):
+      out[seed] = runs
+  return out
+
+
+def auc_table(records: List[dict], direction: str, modes: Sequence[str], seeds: Sequence[int],
+              num_days: int) -> List[dict]:
+  """Tables 6.4 / 6.8: first-day, last-day and average AUC per mode, and paired differences."""
+  per_seed = {}  # mode -> seed -> {"first", "last", "average", "logloss", "days"}
+  for mode in modes:
+    per_seed[mode] = {}
+    for seed, runs in _chains(records, direction, mode, seeds, num_days).items():
+      aucs = [r["eval_auc"] for r in runs]
+      per_seed[mode][seed] = {"first": aucs[0], "last": aucs[-1], "average": float(np.mean(aucs)),
+                              "logloss": float(np.mean([r["eval_logloss"] for r in runs])),
+                              "days": aucs}
+  rows = []
+  for mode in modes:
+    mine = per_seed[mode]
+    row = {"mode": mode, "seeds": sorted(mine),
+           "first_day_auc": mean_std([v["first"] for v in mine.values()]),
+           "last_day_auc": mean_std([v["last"] for v in mine.values()]),
+           "average_auc": mean_std([v["average"] for v in mine.values()]),
+           "average_logloss": mean_std([v["logloss"] for v in mine.values()]),
+           "per_day_auc": [mean_std([v["days"][i] for v in mine.values()])
+                           for i in range(num_days)]}
+    for ref in ("sync", "gba"):
+      theirs = per_seed.get(ref, {})
+      both = [s for s in mine if s in theirs]
+      row[f"delta_vs_{ref}"] = (None if ref not in per_seed else {
+          key: mean_std([mine[s][key] - theirs[s][key] for s in both])
+          for key in ("first", "last", "average")})
+    rows.append(row)
+  return rows
+
+
+def qps_table(records: List[dict], modes: Sequence[str], seeds: Sequence[int],
+              num_days: int) -> List[dict]:
+  """Table 5.2: global QPS per mode (mean over a seed's days), and paired ratios."""
+  per_seed = {m: {s: float(np.mean([r["global_qps"] for r in runs])) for s, runs in
+                  _chains(records, "from_sync", m, seeds, num_days).items()} for m in modes}
+  rows = []
+  for mode in modes:
+    row = {"mode": mode, "seeds": sorted(per_seed[mode]),
+           "global_qps": mean_std(list(per_seed[mode].values()))}
+    for ref in ("sync", "async"):
+      theirs = per_seed.get(ref, {})
+      row[f"vs_{ref}"] = (None if ref not in per_seed else mean_std(
+          [per_seed[mode][s] / theirs[s] for s in per_seed[mode] if s in theirs]))
+    rows.append(row)
+  return rows
+
+
+def staleness_table(records: List[dict], modes: Sequence[str], seeds: Sequence[int],
+                    num_days: int) -> List[dict]:
+  """Table 5.3: dense staleness (mean weighted by pushes, max) and dropped batches per mode."""
+  rows = []
+  for mode in modes:
+    chains = _chains(records, "from_sync", mode, seeds, num_days)
+    means, maxes, drops, pushes = [], [], [], []
+    histogram = np.zeros(0, np.int64)
+    for runs in chains.values():
+      n = sum(r["pushes"] for r in runs)
+      means.append(sum(r["mean_staleness"] * r["pushes"] for r in runs) / max(n, 1))
+      maxes.append(max(r["max_staleness"] for r in runs))
+      drops.append(sum(r["dropped_batches"] for r in runs))
+      pushes.append(n)
+      for r in runs:
+        h = np.asarray(r["staleness_histogram"] or [], np.int64)
+        size = max(len(h), len(histogram))
+        histogram = np.pad(histogram, (0, size - len(histogram))) + np.pad(h, (0, size - len(h)))
+    rows.append({"mode": mode, "seeds": sorted(chains), "mean_staleness": mean_std(means),
+                 "max_staleness": mean_std(maxes), "dropped_batches": mean_std(drops),
+                 "pushes": mean_std(pushes),
+                 "dropped_fraction": mean_std([d / max(p, 1) for d, p in zip(drops, pushes)]),
+                 # Summed over seeds and days; empty for sync (no buffers: staleness 0).
+                 "staleness_histogram": [int(x) for x in histogram]})
+  return rows
+
+
+def build_tables(records: List[dict], modes: Sequence[str], seeds: Sequence[int],
+                 protocol: Protocol) -> dict:
+  for r in records:
+    # The row a run belongs to: the switched mode ("to_sync": the base's mode).
+    r["row"] = r["base_mode"] if r["direction"] == "to_sync" else r["mode"]
+  n = len(protocol.train_days)
+  return {"auc": {d: auc_table(records, d, modes, seeds, n) for d in DIRECTIONS},
+          "qps": qps_table(records, modes, seeds, n),
+          "staleness": staleness_table(records, modes, seeds, n)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Markdown.
+
+def fmt(stat: Optional[dict], digits: int = 4, signed: bool = False) -> str:
+  """"mean ± std" of a mean_std dict ("mean" alone for one seed, "-" for none)."""
+  if not stat or stat["mean"] is None:
+    return "-"
+  text = f"{stat['mean']:{'+' if signed else ''},.{digits}f}"
+  if stat["std"] is not None:
+    text += f" ± {stat['std']:,.{digits}f}"
+  return text
+
+
+def _table(header: Sequence[str], rows: List[List[str]]) -> List[str]:
+  return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
+          ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _auc_lines(rows: List[dict], direction: str, protocol: Protocol) -> List[str]:
+  first_col = "mode" if direction == "from_sync" else "base mode"
+  summary, per_day = [], []
+  for row in rows:
+    vs_gba, vs_sync = row["delta_vs_gba"] or {}, row["delta_vs_sync"] or {}
+    summary.append([row["mode"], str(len(row["seeds"])), fmt(row["first_day_auc"]),
+                    fmt(row["last_day_auc"]), fmt(row["average_auc"]),
+                    fmt(vs_gba.get("first"), signed=True), fmt(vs_gba.get("last"), signed=True),
+                    fmt(vs_gba.get("average"), signed=True),
+                    fmt(vs_sync.get("average"), signed=True), fmt(row["average_logloss"])])
+    per_day.append([row["mode"]] + [fmt(s) for s in row["per_day_auc"]])
+  lines = [f"## AUC after switching: {TITLES[direction]}", ""]
+  lines += _table([first_col, "seeds", "first-day AUC", "last-day AUC", "average AUC",
+                   "Δ first vs GBA", "Δ last vs GBA", "Δ average vs GBA", "Δ average vs sync",
+                   "average logloss"], summary)
+  lines += ["", "AUC of each day's model on the next day:" if protocol.next_day else
+            "AUC of each day's model:", ""]
+  lines += _table([first_col] + [f"day {t} -> {e}" if protocol.next_day else
+                                 f"day {t} (its eval split)"
+                                 for t, e in zip(protocol.train_days, protocol.eval_days)],
+                  per_day)
+  return lines + [""]
+
+
+def markdown(results: dict) -> str:
+  """The tables of `results` as Markdown."""
+  p, a = results["protocol"], results["args"]
+  resumed = sum(1 for r in results["runs"] if r.get("resumed") and not r.get("shared_with"))
+  eval_what = ("every example (train and eval rows) of the next day" if p["next_day"] else
+               "the held-out eval split of the same day (one-day source: smoke protocol, not "
+               "the next-day protocol)")
+  lines = [
+      "# Switching benchmark", "",
+      f"Data `{a['data']}` (options `{p['data_options']}`), {p['num_days']} day(s); base days "
+      f"{p['base_days']}, then the switched mode trains on days {p['train_days']}, each model "
+      f"evaluated on {eval_what} ({p['eval_examples']:,} examples at most).",
+      f"Every run: {a['model']}, 1 PS (parameter-server modes), {a['num_workers']} workers, local "
+      f"batch {a['local_batch_size']}, Adam lr {a['learning_rate']:g}, iota "
+      f"{a['staleness_threshold']}, stragglers `{results['stragglers']}`, "
+      f"{p['steps_per_day']} worker steps per day ({p['steps_per_day'] * a['local_batch_size']:,}"
+      f" examples; a day has {p['train_rows']:,} train rows). Seeds {results['seeds']}: mean ± "
+      "sample std over seeds; differences paired per seed. Wall time "
+      f"{results['wall_seconds'] / 60:.1f} min" + (
+          f" ({resumed} runs reused from an earlier invocation, --resume)." if resumed else "."),
+      ""]
+  for direction in DIRECTIONS:
+    lines += _auc_lines(results["tables"]["auc"][direction], direction,
+                        Protocol(**results["protocol"]))
+  rows = [[r["mode"], str(len(r["seeds"])), fmt(r["global_qps"], 0), fmt(r["vs_sync"], 2),
+           fmt(r["vs_async"], 2)] for r in results["tables"]["qps"]]
+  lines += ["## Global QPS under the straggler profile (Table 5.2)", "",
+            "Runs after switching from sync; measured after the first logging interval, mean "
+            "over each seed's days.", ""]
+  lines += _table(["mode", "seeds", "global QPS", "vs sync", "vs async"], rows) + [""]
+  rows = [[r["mode"], str(len(r["seeds"])), fmt(r["mean_staleness"], 2),
+           fmt(r["max_staleness"], 1), fmt(r["dropped_batches"], 1),
+           fmt(r["dropped_fraction"], 4), fmt(r["pushes"], 0)]
+          for r in results["tables"]["staleness"]]
+  lines += ["## Dense staleness and dropped batches (Table 5.3)", "",
+            "Same runs; per seed summed over its days (staleness: mean weighted by pushes). "
+            "sync has no buffers: staleness 0, nothing dropped. hop_bw's dropped batches are "
+            "the gradients of an older version it ignored.", ""]
+  lines += _table(["mode", "seeds", "mean staleness", "max staleness", "dropped batches",
+                   "dropped / pushes", "pushes"], rows) + [""]
+  failed = [r for r in results["runs"] if r["status"] == "failed"]
+  if failed:
+    lines += ["## Failed runs", ""]
+    for r in failed:
+      lines += [f"- {r['direction']} mode {r['mode']} (base {r['base_mode']}) seed {r['seed']} "
+                f"day {r['day']}: `{r['error'].splitlines()[0]}`; its later days were skipped. "
+                "Traceback in results.json and the run's log."]
+    lines.append("")
+  return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# Plots.
+
+def _pyplot():
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def plot_auc(results: dict, path: str) -> None:
+  plt = _pyplot()
+  p = results["protocol"]
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  for ax, direction in zip(axes, DIRECTIONS):
+    for row in results["tables"]["auc"][direction]:
+      days = [(e, s) for e, s in zip(p["eval_days"], row["per_day_auc"]) if s["mean"] is not None]
+      if not days:
+        continue
+      ax.errorbar([e for e, _ in days], [s["mean"] for _, s in days],
+                  yerr=[s["std"] or 0.0 for _, s in days], marker="o", capsize=3,
+                  label=row["mode"] if direction == "from_sync" else f"{row['mode']} -> sync")
+    ax.set_title(TITLES[direction].split(" (")[0], fontsize=10)
+    ax.set_xlabel("evaluated on day" if p["next_day"] else "day (same-day eval split)")
+    ax.set_xticks(sorted(set(p["eval_days"])))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  axes[0].set_ylabel("AUC (mean ± std over seeds)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_qps(results: dict, path: str) -> None:
+  plt = _pyplot()
+  rows = [r for r in results["tables"]["qps"] if r["global_qps"]["mean"] is not None]
+  fig, ax = plt.subplots(figsize=(6.5, 3.8))
+  ax.bar([r["mode"] for r in rows], [r["global_qps"]["mean"] for r in rows],
+         yerr=[r["global_qps"]["std"] or 0.0 for r in rows], capsize=4, color="tab:blue")
+  ax.set_ylabel("global QPS (examples/s)")
+  ax.set_title(f"Global QPS, stragglers {results['stragglers']}", fontsize=9)
+  ax.grid(axis="y", alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_staleness(results: dict, path: str) -> None:
+  plt = _pyplot()
+  rows = [r for r in results["tables"]["staleness"] if sum(r["staleness_histogram"]) > 0]
+  fig, ax = plt.subplots(figsize=(7.5, 3.8))
+  bins = max([len(r["staleness_histogram"]) for r in rows] + [1])
+  # The buffers' last bin collects every staleness >= bins - 1: show only the occupied range.
+  used = max([max(np.nonzero(r["staleness_histogram"])[0]) for r in rows] + [0]) + 1
+  width = 0.8 / max(len(rows), 1)
+  for i, r in enumerate(rows):
+    h = np.asarray(r["staleness_histogram"], np.float64)
+    ax.bar(np.arange(used) + (i - (len(rows) - 1) / 2) * width, (h / h.sum())[:used], width,
+           label=r["mode"])
+  ax.set_xticks(range(used))
+  ax.set_xticklabels([str(s) if s < bins - 1 else f">={s}" for s in range(used)])
+  ax.set_xlabel("dense staleness (global steps)")
+  ax.set_ylabel("fraction of pushes")
+  ax.set_title("Staleness of the pushes after switching from sync (sync: always 0)", fontsize=9)
+  ax.grid(axis="y", alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line.
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--data", default="synthetic",
+                 help="'synthetic', 'movielens100k:<dir>' or 'criteo:<file>' (one day: smoke)")
+  p.add_argument("--data_options", default=None,
+                 help=f"options of the source, key=value,... (synthetic default "
+                      f"{SYNTHETIC_OPTIONS!r}); num_days comes from --days")
+  p.add_argument("--days", type=int, default=4,
+                 help="days the data is split into (>= base_days + 2; ignored for a one-day "
+                      "source)")
+  p.add_argument("--base_days", type=int, default=1, help="days the base models train on")
+  p.add_argument("--seeds", type=int, default=2, help="seeds 0 .. seeds - 1")
+  p.add_argument("--modes", default=",".join(ALL_MODES))
+  p.add_argument("--stragglers", default="transient",
+                 help=f"names {sorted(PROFILES)} or a profile string, applied to every run")
+  p.add_argument("--steps_per_day", type=int, default=0,
+                 help="worker steps per run (0: one pass over a day's train rows); rounded up "
+                      f"to a multiple of {INTERVALS} x num_workers")
+  p.add_argument("--model", default="deepfm")
+  p.add_argument("--num_workers", type=int, default=4)
+  p.add_argument("--local_batch_size", type=int, default=256)
+  # Above TrainConfig's 0.001: at the default synthetic size (32 global steps a day) a model at
+  # 0.001 is still near its initialisation after the base day (AUC about 0.5).
+  p.add_argument("--learning_rate", type=float, default=0.003)
+  p.add_argument("--staleness_threshold", type=int, default=3)
+  p.add_argument("--run_timeout", type=float, default=1800.0, help="seconds per run")
+  p.add_argument("--resume", action="store_true",
+                 help="keep the runs already finished under --out with the same configuration "
+                      "(e.g. after an interruption or a failed run) and run only the others")
+  p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_switching"))
+  args = p.parse_args(argv)
+  args.modes_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+  unknown = sorted(set(args.modes_list) - set(ALL_MODES))
+  if unknown or not args.modes_list:
+    p.error(f"--modes: expected some of {ALL_MODES}, got {args.modes!r}")
+  if args.seeds < 1 or args.base_days < 1 or args.num_workers < 2:
+    p.error("need --seeds >= 1, --base_days >= 1 and --num_workers >= 2")
+  args.out = os.path.abspath(args.out)
+  return args
+
+
+def write(results: dict, out: str) -> List[str]:
+  """Writes results.md, results.json and the plots; returns their paths."""
+  os.makedirs(out, exist_ok=True)
+  paths = [os.path.join(out, "results.md"), os.path.join(out, "results.json")]
+  with open(paths[0], "w") as f:
+    f.write(markdown(results))
+  with open(paths[1], "w") as f:
+    json.dump(results, f, indent=2)
+  for name, plot in (("auc_per_day.png", plot_auc), ("qps.png", plot_qps),
+                     ("staleness_histogram.png", plot_staleness)):
+    paths.append(os.path.join(out, name))
+    plot(results, paths[-1])
+  return paths
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+  args = parse_args(argv)
+  started = time.time()
+  try:
+    protocol = make_protocol(args)
+  except ValueError as e:  # a bad flag or data spec: the message says which
+    sys.exit(f"benchmarks.switching: {e}")
+  modes, seeds = args.modes_list, list(range(args.seeds))
+  print(f"switching benchmark: {args.data}, days {protocol.num_days}, modes {modes}, seeds "
+        f"{seeds}, {protocol.steps_per_day} worker steps per day", flush=True)
+  runner = Runner(args, protocol)
+  for seed in seeds:
+    runner.seed(seed, modes)
+  records = runner.records
+  results = {
+      "args": {k: v for k, v in vars(args).items() if k != "modes_list"},
+      "modes": modes, "seeds": seeds,
+      "stragglers": PROFILES.get(args.stragglers, args.stragglers),
+      "protocol": dataclasses.asdict(protocol),
+      "tables": build_tables(records, modes, seeds, protocol),
+      "runs": records,
+      "wall_seconds": time.time() - started,
+  }
+  paths = write(results, args.out)
+  print("\n" + markdown(results), flush=True)
+  print("Wrote " + ", ".join(paths), flush=True)
+  return results
+
+
+if __name__ == "__main__":
+  sys.exit(1 if any(r["status"] == "failed" for r in main()["runs"]) else 0)

@@ -1,0 +1,226 @@
+"""benchmarks/switching.py end to end on tiny data: tables, plots, and their consistency.
+
+Synthetic data split into three days: the base models train on day 0, the switched modes on day
+1, evaluated on day 2. One seed and three of the modes (sync, gba and hop_bw, in both
+directions), 2 workers: 8 training runs of real local clusters, a few minutes on two CPU cores.
+"""
+
+import dataclasses
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from benchmarks import switching
+
+MODES = ("sync", "gba", "hop_bw")
+DIRECTIONS = ("from_sync", "to_sync")
+PLOTS = ("auc_per_day.png", "qps.png", "staleness_histogram.png")
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+  out = tmp_path_factory.mktemp("switching")
+  results = switching.main([
+      "--data=synthetic", "--data_options=num_examples=1024,num_eval_examples=256,vocab_size=200",
+      "--days=3", "--base_days=1", "--seeds=1", f"--modes={','.join(MODES)}",
+      "--num_workers=2", "--stragglers=none", f"--out={out}"])
+  with open(out / "results.md") as f:
+    md = f.read()
+  with open(out / "results.json") as f:
+    saved = json.load(f)
+  return out, results, saved, md
+
+
+def _md_tables(md: str) -> dict:
+  """{section title: [rows as {header: cell}]} for the first table of each "## " section."""
+  tables = {}
+  for section in md.split("\n## ")[1:]:
+    title, _, body = section.partition("\n")
+    lines = [l for l in body.splitlines() if l.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = []
+    for line in lines[2:]:
+      if line.startswith("|---"):
+        break
+      cells = [c.strip() for c in line.strip("|").split("|")]
+      if len(cells) != len(header):
+        break  # the next table of the section
+      rows.append(dict(zip(header, cells)))
+    tables[title] = rows
+  return tables
+
+
+def _mean_of(cell: str) -> float:
+  return float(cell.split("±")[0].replace(",", ""))
+
+
+def test_outputs_exist_and_every_run_succeeded(bench):
+  out, results, saved, md = bench
+  for name in ("results.md", "results.json") + PLOTS:
+    assert os.path.getsize(out / name) > 0, name
+  for name in PLOTS:
+    with open(out / name, "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+  failed = [r for r in saved["runs"] if r["status"] != "ok"]
+  assert not failed, failed[0].get("error")
+  assert saved["tables"] == json.loads(json.dumps(results["tables"]))
+  assert saved["protocol"]["train_days"] == [1] and saved["protocol"]["eval_days"] == [2]
+  # One run per (direction, mode, day): 3 bases, 3 from sync, 2 to sync (+ the shared sync -> sync
+  # chain listed again under to_sync).
+  assert len(saved["runs"]) == 3 + 3 + 2 + 1
+
+
+def test_every_mode_trains_the_same_examples_and_evaluates_on_the_next_day(bench):
+  _, _, saved, _ = bench
+  p = saved["protocol"]
+  for r in saved["runs"]:
+    assert r["examples"] == p["steps_per_day"] * saved["args"]["local_batch_size"], r
+    assert r["eval_day"] == r["day"] + 1
+    # The whole next day: its train rows (1024) and its eval rows (256).
+    assert r["eval_examples"] == 1024 + 256
+    assert 0.0 < r["eval_auc"] < 1.0
+    assert np.isfinite(r["eval_logloss"]) and r["eval_logloss"] > 0
+
+
+def test_differences_to_the_reference_itself_are_exactly_zero(bench):
+  _, results, _, _ = bench
+  for direction in DIRECTIONS:
+    rows = {r["mode"]: r for r in results["tables"]["auc"][direction]}
+    for key in ("first", "last", "average"):
+      assert rows["sync"]["delta_vs_sync"][key]["mean"] == 0.0
+      assert rows["gba"]["delta_vs_gba"][key]["mean"] == 0.0
+  qps = {r["mode"]: r for r in results["tables"]["qps"]}
+  assert qps["sync"]["vs_sync"]["mean"] == 1.0
+
+
+def test_auc_summaries_recomputed_from_the_runs(bench):
+  _, _, saved, _ = bench
+  for direction in DIRECTIONS:
+    rows = {r["mode"]: r for r in saved["tables"]["auc"][direction]}
+    for mode in MODES:
+      runs = sorted((r for r in saved["runs"] if r["direction"] == direction and
+                     (r["base_mode"] if direction == "to_sync" else r["mode"]) == mode),
+                    key=lambda r: r["day"])
+      assert [r["day"] for r in runs] == [1]
+      if direction == "to_sync":
+        assert all(r["mode"] == "sync" for r in runs)
+      aucs = np.array([r["eval_auc"] for r in runs])
+      row = rows[mode]
+      assert row["average_auc"]["mean"] == pytest.approx(np.mean(aucs), abs=1e-12)
+      assert row["first_day_auc"]["mean"] == pytest.approx(aucs[0], abs=1e-12)
+      assert row["last_day_auc"]["mean"] == pytest.approx(aucs[-1], abs=1e-12)
+      assert [d["mean"] for d in row["per_day_auc"]] == pytest.approx(aucs, abs=1e-12)
+      gba = [r["eval_auc"] for r in sorted(
+          (r for r in saved["runs"] if r["direction"] == direction and
+           (r["base_mode"] if direction == "to_sync" else r["mode"]) == "gba"),
+          key=lambda r: r["day"])]
+      assert row["delta_vs_gba"]["average"]["mean"] == pytest.approx(
+          np.mean(aucs) - np.mean(gba), abs=1e-12)
+  # sync -> sync is one chain, the sync row of both directions.
+  fwd = {r["mode"]: r for r in saved["tables"]["auc"]["from_sync"]}
+  rev = {r["mode"]: r for r in saved["tables"]["auc"]["to_sync"]}
+  assert fwd["sync"]["average_auc"] == rev["sync"]["average_auc"]
+
+
+def test_staleness_table_matches_the_runs(bench):
+  _, _, saved, _ = bench
+  rows = {r["mode"]: r for r in saved["tables"]["staleness"]}
+  assert rows["sync"]["mean_staleness"]["mean"] == 0.0 and rows["sync"]["staleness_histogram"] == []
+  for mode in ("gba", "hop_bw"):
+    runs = [r for r in saved["runs"] if r["direction"] == "from_sync" and r["mode"] == mode]
+    pushes = sum(r["pushes"] for r in runs)
+    hist = np.array(rows[mode]["staleness_histogram"])
+    assert hist.sum() == pushes == rows[mode]["pushes"]["mean"]
+    assert rows[mode]["mean_staleness"]["mean"] == pytest.approx(
+        (hist * np.arange(len(hist))).sum() / pushes, abs=1e-9)
+    assert rows[mode]["max_staleness"]["mean"] == max(np.nonzero(hist)[0])
+    assert rows[mode]["dropped_batches"]["mean"] == sum(r["dropped_batches"] for r in runs)
+
+
+def test_markdown_shows_the_json_numbers(bench):
+  _, results, _, md = bench
+  tables = _md_tables(md)
+  titles = {d: next(t for t in tables if t.startswith("AUC after switching: " +
+                                                       switching.TITLES[d][:12]))
+            for d in DIRECTIONS}
+  for direction in DIRECTIONS:
+    md_rows = tables[titles[direction]]
+    first = "mode" if direction == "from_sync" else "base mode"
+    assert [r[first] for r in md_rows] == list(MODES)
+    for md_row, row in zip(md_rows, results["tables"]["auc"][direction]):
+      for col, stat in (("first-day AUC", row["first_day_auc"]),
+                        ("last-day AUC", row["last_day_auc"]),
+                        ("average AUC", row["average_auc"]),
+                        ("average logloss", row["average_logloss"]),
+                        ("Δ average vs GBA", row["delta_vs_gba"]["average"]),
+                        ("Δ average vs sync", row["delta_vs_sync"]["average"])):
+        assert _mean_of(md_row[col]) == pytest.approx(stat["mean"], abs=5.1e-5), (col, md_row)
+        assert "±" not in md_row[col]  # one seed: no spread to show
+  qps_rows = tables[next(t for t in tables if t.startswith("Global QPS"))]
+  for md_row, row in zip(qps_rows, results["tables"]["qps"]):
+    assert md_row["mode"] == row["mode"]
+    assert _mean_of(md_row["global QPS"]) == pytest.approx(row["global_qps"]["mean"], abs=0.51)
+  st_rows = tables[next(t for t in tables if t.startswith("Dense staleness"))]
+  for md_row, row in zip(st_rows, results["tables"]["staleness"]):
+    assert md_row["mode"] == row["mode"]
+    assert _mean_of(md_row["mean staleness"]) == pytest.approx(row["mean_staleness"]["mean"],
+                                                               abs=0.0051)
+    assert _mean_of(md_row["dropped batches"]) == row["dropped_batches"]["mean"]
+  assert not re.search(r"\bnan\b", md)
+
+
+def test_tables_over_seeds_and_days_match_numpy():
+  """The aggregation alone, on made-up runs: two seeds, two switched days, a failed chain."""
+  rng = np.random.default_rng(0)
+  modes, seeds, days = ["sync", "gba", "async"], [0, 1], [1, 2]
+  protocol = switching.Protocol(data_options="", num_days=4, base_days=[0], train_days=days,
+                                eval_days=[2, 3], next_day=True, train_rows=100,
+                                eval_examples=100, steps_per_day=16)
+  auc = {(d, m, s, day): rng.uniform(0.6, 0.8) for d in DIRECTIONS for m in modes
+         for s in seeds for day in days}
+  records = []
+  for (direction, mode, seed, day), value in auc.items():
+    failed = direction == "to_sync" and mode == "async" and seed == 1 and day == 2
+    records.append({
+        "direction": direction, "mode": "sync" if direction == "to_sync" else mode,
+        "base_mode": mode if direction == "to_sync" else "sync", "seed": seed, "day": day,
+        "status": "failed" if failed else "ok", "error": "exit status 1", "eval_auc": value,
+        "eval_logloss": 1 - value, "global_qps": 1000.0 * (1 + modes.index(mode)) + seed,
+        "pushes": 16, "mean_staleness": 0.0 if mode == "sync" else 0.5,
+        "max_staleness": 0 if mode == "sync" else 2,
+        "dropped_batches": 1 if mode == "async" else 0,
+        "staleness_histogram": [] if mode == "sync" else [8, 8]})
+  tables = switching.build_tables(records, modes, seeds, protocol)
+  for direction in DIRECTIONS:
+    rows = {r["mode"]: r for r in tables["auc"][direction]}
+    for mode in modes:
+      complete = [s for s in seeds if not (direction == "to_sync" and mode == "async" and s == 1)]
+      per_seed = np.array([[auc[(direction, mode, s, d)] for d in days] for s in complete])
+      averages = per_seed.mean(axis=1)
+      assert rows[mode]["seeds"] == complete
+      assert rows[mode]["average_auc"]["mean"] == pytest.approx(averages.mean(), abs=1e-12)
+      if len(complete) > 1:
+        assert rows[mode]["average_auc"]["std"] == pytest.approx(np.std(averages, ddof=1),
+                                                                 abs=1e-12)
+      assert rows[mode]["last_day_auc"]["mean"] == pytest.approx(per_seed[:, -1].mean(),
+                                                                 abs=1e-12)
+      sync = np.array([[auc[(direction, "sync", s, d)] for d in days] for s in complete])
+      assert rows[mode]["delta_vs_sync"]["average"]["mean"] == pytest.approx(
+          (averages - sync.mean(axis=1)).mean(), abs=1e-12)
+    assert rows["sync"]["delta_vs_sync"]["average"]["mean"] == 0.0
+    assert rows["gba"]["delta_vs_gba"]["average"]["std"] == 0.0
+  qps = {r["mode"]: r for r in tables["qps"]}
+  assert qps["gba"]["vs_sync"]["mean"] == pytest.approx(np.mean([2000 / 1000, 2001 / 1001]))
+  stale = {r["mode"]: r for r in tables["staleness"]}
+  assert stale["async"]["dropped_batches"]["mean"] == 2
+  assert stale["gba"]["max_staleness"]["mean"] == 2
+  assert stale["gba"]["staleness_histogram"] == [32, 32]
+  md = switching.markdown({"args": vars(switching.parse_args([])), "protocol":
+                           dataclasses.asdict(protocol), "stragglers": "none", "seeds": seeds,
+                           "tables": tables, "runs": records, "wall_seconds": 1.0})
+  row = next(l for l in md.splitlines() if l.startswith("| gba |"))
+  gba = {r["mode"]: r for r in tables["auc"]["from_sync"]}["gba"]["average_auc"]
+  assert f"{gba['mean']:.4f} ± {gba['std']:.4f}" in row
