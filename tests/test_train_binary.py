@@ -77,12 +77,13 @@ def test_each_mode_and_model(tmp_path, mode, model, m):
 
 
 def test_hop_bs_holds_fast_workers_behind_a_5x_slower_one(tmp_path):
-  """A real barrier on a real cluster: worker 0 is 5x slower; b1 = 1.
+  """A real barrier on a real cluster: worker 0 is 5x slower (500 ms steps vs 100 ms); b1 = 1.
 
   Without the barrier (GBA, same profile) the fast workers run far more steps than worker 0; with
   it they wait for worker 0, never more than b1 completed steps ahead when they start a step.
   """
-  common = dict(num_workers=3, steps=60, log_every=30, stragglers="persistent:5@0",
+  # On a 100 ms compute floor, so that the slowdown, not the machine's load, sets the pace.
+  common = dict(num_workers=3, steps=60, log_every=30, stragglers="compute:100+persistent:5@0",
                 hop_bs_bound=1, local_batch_size=64)
   free = _run(tmp_path / "gba", mode="gba", **common)
   held = _run(tmp_path / "hop_bs", mode="hop_bs", **common)
