@@ -28,6 +28,22 @@ DEFAULT_HOP_BW_BACKUP = 1     # b3
 DEFAULT_HOP_BS_TIMEOUT_S = 30.0
 
 
+def check_parameters(mode: str, num_workers: int, bsp_aggregate: Optional[int],
+                     hop_bs_bound: int, hop_bs_timeout_s: float, hop_bw_backup: int,
+                     prefix: str = "") -> None:
+  """Raises ValueError naming the parameter (`prefix` + its name, e.g. "--" for flags)."""
+  if bsp_aggregate is not None and bsp_aggregate < 1:
+    raise ValueError(f"{prefix}bsp_aggregate (b2) must be >= 1, got {bsp_aggregate}.")
+  if hop_bs_bound < 0:
+    raise ValueError(f"{prefix}hop_bs_bound (b1) must be >= 0, got {hop_bs_bound}.")
+  if not hop_bs_timeout_s > 0:
+    raise ValueError(f"{prefix}hop_bs_timeout_s must be > 0, got {hop_bs_timeout_s}.")
+  if mode == "hop_bw" and not 0 <= hop_bw_backup < num_workers:
+    raise ValueError(f"{prefix}hop_bw_backup (b3) must be in [0, num_workers - 1] = "
+                     f"[0, {num_workers - 1}]: each step takes num_workers - b3 >= 1 "
+                     f"gradients; got {hop_bw_backup}.")
+
+
 def num_aggregate_for(mode: str, num_workers: int, gba_num_aggregate: Optional[int] = None,
                       bsp_aggregate: Optional[int] = None,
                       hop_bw_backup: int = DEFAULT_HOP_BW_BACKUP) -> int:

@@ -62,17 +62,10 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
     if num_aggregate is not None and num_aggregate < 1:
       raise ValueError(f"num_aggregate must be >= 1, got {num_aggregate}.")
-    if bsp_aggregate is not None and bsp_aggregate < 1:
-      raise ValueError(f"bsp_aggregate (b2) must be >= 1, got {bsp_aggregate}.")
-    if hop_bs_bound < 0:
-      raise ValueError(f"hop_bs_bound (b1) must be >= 0, got {hop_bs_bound}.")
-    if not hop_bs_timeout_s > 0:
-      raise ValueError(f"hop_bs_timeout_s must be > 0, got {hop_bs_timeout_s}.")
     spec = cluster_resolver.cluster_spec()
     num_workers = len(spec.job_tasks("worker"))
-    if mode == "hop_bw" and not 0 <= hop_bw_backup < num_workers:
-      raise ValueError(f"hop_bw_backup (b3) must be in [0, {num_workers - 1}] with {num_workers} "
-                       f"workers (each step takes N - b3 >= 1 gradients), got {hop_bw_backup}.")
+    modes_lib.check_parameters(mode, num_workers, bsp_aggregate, hop_bs_bound, hop_bs_timeout_s,
+                               hop_bw_backup)
     self._gba_stragglers = stragglers_lib.parse(stragglers)
     self._gba_straggler_seed = int(straggler_seed)
     super().__init__(cluster_resolver, variable_partitioner)

@@ -110,16 +110,8 @@ class TrainConfig:
             f"--global_batch_size={self.global_batch_size} is not a multiple of "
             f"--local_batch_size={self.local_batch_size}: GBA aggregates a whole number "
             "M = global / local of local batches per step. Pick sizes that divide.")
-    if self.bsp_aggregate is not None and self.bsp_aggregate < 1:
-      raise ValueError(f"--bsp_aggregate (b2) must be >= 1, got {self.bsp_aggregate}.")
-    if self.hop_bs_bound < 0:
-      raise ValueError(f"--hop_bs_bound (b1) must be >= 0, got {self.hop_bs_bound}.")
-    if not self.hop_bs_timeout_s > 0:
-      raise ValueError(f"--hop_bs_timeout_s must be > 0, got {self.hop_bs_timeout_s}.")
-    if self.mode == "hop_bw" and not 0 <= self.hop_bw_backup < self.num_workers:
-      raise ValueError(f"--hop_bw_backup (b3) must be in [0, num_workers - 1] = "
-                       f"[0, {self.num_workers - 1}]: each step takes num_workers - b3 >= 1 "
-                       f"gradients; got {self.hop_bw_backup}.")
+    modes_lib.check_parameters(self.mode, self.num_workers, self.bsp_aggregate, self.hop_bs_bound,
+                               self.hop_bs_timeout_s, self.hop_bw_backup, prefix="--")
     stragglers_lib.parse(self.stragglers)  # raises with a message on a bad profile
     self.data_kwargs()
 
