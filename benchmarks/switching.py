@@ -57,16 +57,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+# The straggler profiles by name, shared with the QPS benchmark ("dedicated": the transient
+# profile on a 100 ms compute floor per step).
+from benchmarks.mode_qps import PROFILES  # pylint: disable=g-bad-import-order
+
 # Before TensorFlow loads (make_protocol reads the data here): no GPU probing, no INFO lines.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL_MODES = ("sync", "gba", "async", "bsp", "hop_bs", "hop_bw")
-# As in benchmarks/mode_qps.py; "dedicated" adds a 100 ms compute floor per step, so that workers
-# sharing a few cores wait for each other as on machines of their own (see stragglers.py).
-PROFILES = {"none": "none", "transient": "transient:0.2:4+persistent:2@0",
-            "dedicated": "compute:100+transient:0.2:4+persistent:2@0"}
 # Sources whose examples carry a day (a `num_days` option); the others have one day.
 DAY_SOURCES = ("synthetic", "movielens100k")
 # The synthetic default: small days so that the plain command finishes in about half an hour on
