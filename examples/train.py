@@ -40,6 +40,10 @@ def define_flags() -> None:
                        "M = global / local.")
   flags.DEFINE_integer("local_batch_size", 256, "Examples per worker step.")
   flags.DEFINE_integer("staleness_threshold", 3, "GBA's iota: staler gradients are dropped.")
+  flags.DEFINE_enum("sparse_normalize", "num_aggregate", ["num_aggregate", "per_id"],
+                    "Parameter-server modes: divide an embedding row's aggregate by M (rows "
+                    "absent from a batch count as zero, as the all-reduce sync mode does) or by "
+                    "the number of aggregated batches that contained the row (the paper's rule).")
   flags.DEFINE_string("stragglers", "none",
                       "none | persistent:<f>[@w,..] | transient:<p>:<f> | trace:<file.json>, "
                       "joined by '+'.")
@@ -109,7 +113,7 @@ def main(argv=None):
       dts_period=FLAGS.dts_period, dts_latency_ms=FLAGS.dts_latency_ms,
       dts_inner=FLAGS.dts_inner, bsp_aggregate=FLAGS.bsp_aggregate,
       hop_bs_bound=FLAGS.hop_bs_bound, hop_bs_timeout_s=FLAGS.hop_bs_timeout_s,
-      hop_bw_backup=FLAGS.hop_bw_backup)
+      hop_bw_backup=FLAGS.hop_bw_backup, sparse_normalize=FLAGS.sparse_normalize)
   try:
     config.validate()
   except ValueError as e:

@@ -55,8 +55,12 @@ class AdagradRef:
     return w - self.lr * g / np.sqrt(acc + self.eps)
 
 
-def reference_training(pushes, m, iota, inner_ref, w0, e0):
-  """Replays pushes (token, dense grad, ids, rows) through SPEC section 1 and the inner rule."""
+def reference_training(pushes, m, iota, inner_ref, w0, e0, sparse_normalize="num_aggregate"):
+  """Replays pushes (token, dense grad, ids, rows) through SPEC section 1 and the inner rule.
+
+  Embedding rows: per-ID staleness max(0, tag + 1 - token); divisor M (rows absent from an entry
+  count as zero) or c(id) with sparse_normalize="per_id".
+  """
   w, e, k = w0.copy(), e0.copy(), 0
   tags = -np.ones(ROWS, np.int64)
   batch = []
@@ -72,11 +76,11 @@ def reference_training(pushes, m, iota, inner_ref, w0, e0):
       for tok, _, ids, rows in batch:
         if i in ids:
           c += 1
-          wgt = 1.0 if max(0, tags[i] - tok) <= iota else 0.0
+          wgt = 1.0 if max(0, tags[i] + 1 - tok) <= iota else 0.0
           kept += wgt > 0
           num = num + wgt * rows[ids == i].sum(axis=0)
       if kept:
-        sparse[i] = num / c
+        sparse[i] = num / (c if sparse_normalize == "per_id" else m)
         updated.append(i)
     # Missing rows carry a zero gradient: tf_keras' sparse SGD/Adagrad leave them unchanged
     # and its sparse Adam decays every row's moments, exactly like a dense zero gradient.
@@ -118,14 +122,17 @@ def run_wrapper(opt, pushes, w0, e0):
     (lambda: keras.optimizers.Adam(0.01), lambda: AdamRef(0.01)),
     (lambda: keras.optimizers.Adagrad(0.1), lambda: AdagradRef(0.1)),
 ], ids=["sgd", "adam", "adagrad"])
-def test_training_matches_numpy_reference(make_inner, make_ref):
+@pytest.mark.parametrize("sparse_normalize", ["num_aggregate", "per_id"])
+def test_training_matches_numpy_reference(make_inner, make_ref, sparse_normalize):
   m, iota = 3, 1
   pushes = scripted_pushes(45, m, max_lag=4, seed=7)
   rng = np.random.default_rng(0)
   w0, e0 = rng.normal(size=WIDTH), rng.normal(size=(ROWS, DIM))
-  opt = GBA(make_inner(), num_aggregate=m, staleness_threshold=iota)
+  opt = GBA(make_inner(), num_aggregate=m, staleness_threshold=iota,
+            sparse_normalize=sparse_normalize)
   w, e = run_wrapper(opt, pushes, w0, e0)
-  w_ref, e_ref, k_ref, tags_ref = reference_training(pushes, m, iota, make_ref(), w0, e0)
+  w_ref, e_ref, k_ref, tags_ref = reference_training(pushes, m, iota, make_ref(), w0, e0,
+                                                     sparse_normalize)
   np.testing.assert_allclose(w, w_ref, rtol=1e-10, atol=1e-12)
   np.testing.assert_allclose(e, e_ref, rtol=1e-10, atol=1e-12)
   assert int(opt.iterations.numpy()) == k_ref == 15
@@ -201,8 +208,9 @@ def test_resolve_num_aggregate():
 
 def test_get_config_round_trip():
   opt = GBA(keras.optimizers.Adam(0.003, beta_1=0.8), num_aggregate=5, staleness_threshold=4,
-            decay="exponential", decay_alpha=0.25)
+            decay="exponential", decay_alpha=0.25, sparse_normalize="per_id")
   config = opt.get_config()
+  assert config["sparse_normalize"] == "per_id"
   again = GBA.from_config(config)
   strip = lambda c: {k: v for k, v in c.items() if k != "inner"}
   assert strip(again.get_config()) == strip(config)

@@ -130,7 +130,10 @@ def test_modes_differ_on_the_same_script():
 # ---- embeddings ---------------------------------------------------------------------------------
 
 def reference_sparse_hop_bw(pushes, num_rows, dim):
-  """Hop-BW on embedding rows: a push of an older version is ignored whole (no place, no c(id))."""
+  """Hop-BW on embedding rows: a push of an older version is ignored whole (takes no place).
+
+  A row's sum is divided by the step's N - b3 places (the default embedding divisor, M).
+  """
   k, counted, rows, count, out = 0, 0, {}, {}, []
   for i, (token, ids, values) in enumerate(pushes):
     if token != k:
@@ -143,7 +146,7 @@ def reference_sparse_hop_bw(pushes, num_rows, dim):
         count[idx] = count.get(idx, 0) + 1
         seen.add(idx)
     if counted == N - B3:
-      out.append((i, {idx: rows[idx] / count[idx] for idx in rows}))
+      out.append((i, {idx: rows[idx] / (N - B3) for idx in rows}))
       k, counted, rows, count = k + 1, 0, {}, {}
   return out
 
@@ -186,7 +189,8 @@ def test_stale_push_gba_per_id_vs_hop_bw_whole(mode):
   # Steps 0 and 1 update row 0: its tag becomes 1.
   buf.push(0, 0, tf.constant([0], tf.int64), tf.constant([[1.0]]))
   buf.push(1, 1, tf.constant([0], tf.int64), tf.constant([[1.0]]))
-  # A push read at version 0 (two steps ago) with rows 0 (changed since: s = 1) and 2 (never).
+  # A push read at version 0 (two steps ago) with rows 0 (changed since: s = 1 + 1 - 0 = 2) and
+  # 2 (never: s = 0).
   ready, ids, rows, step = buf.push(0, 2, tf.constant([0, 2], tf.int64),
                                     tf.constant([[5.0], [3.0]]))
   if mode == "gba":
@@ -195,6 +199,13 @@ def test_stale_push_gba_per_id_vs_hop_bw_whole(mode):
   else:
     assert not bool(ready) and int(step) == 2   # ignored: no place taken, nothing applied
     assert buf.stats().dropped == 2
+
+
+@pytest.mark.parametrize("mode", modes.MODES)
+@pytest.mark.parametrize("sparse_normalize", gba_ops.SPARSE_NORMALIZATIONS)
+def test_every_mode_keeps_the_embedding_divisor(mode, sparse_normalize):
+  config = gba_ops.BufferConfig(num_aggregate=N, sparse_normalize=sparse_normalize)
+  assert modes.buffer_config_for(mode, config, 2).sparse_normalize == sparse_normalize
 
 
 def test_buffer_config_for_rejects_unknown_mode():

@@ -11,8 +11,14 @@ import tensorflow as tf
 from tf_gba.ops import gba_ops
 
 
-def reference(pushes, num_rows, m, iota, decay="threshold", alpha=0.5, normalize="num_aggregate"):
-  """pushes: (token, ids, rows). Returns per push (ready, ids, rows, step) and the final tags."""
+def reference(pushes, num_rows, m, iota, decay="threshold", alpha=0.5, normalize="num_aggregate",
+              sparse_normalize="num_aggregate"):
+  """pushes: (token, ids, rows). Returns per push (ready, ids, rows, step) and the final tags.
+
+  Per-ID staleness max(0, tag + 1 - token); a row's divisor is M (entries without the row count
+  as zero rows; with normalize="kept", M minus the entries that dropped the row) or, with
+  sparse_normalize="per_id", c(id) (with "kept": the entries that kept the row).
+  """
   alpha = float(np.float32(alpha))
   tags = -np.ones(num_rows, np.int64)
   k, batch, out = 0, [], []
@@ -32,7 +38,7 @@ def reference(pushes, num_rows, m, iota, decay="threshold", alpha=0.5, normalize
         if i not in d:
           continue
         c += 1
-        s = max(0, tags[i] - tok)
+        s = max(0, tags[i] + 1 - tok)
         if not ok:
           w = 0.0
         elif s <= iota:
@@ -43,7 +49,11 @@ def reference(pushes, num_rows, m, iota, decay="threshold", alpha=0.5, normalize
         num = num + w * d[i]
       if kept:
         agg_ids.append(i)
-        agg_rows.append(num / (c if normalize == "num_aggregate" else kept))
+        if sparse_normalize == "per_id":
+          divisor = c if normalize == "num_aggregate" else kept
+        else:
+          divisor = m if normalize == "num_aggregate" else m - (c - kept)
+        agg_rows.append(num / divisor)
     for i in agg_ids:  # tags change only after every weight of this batch was decided
       tags[i] = k
     out.append((True, np.array(agg_ids, np.int64), np.array(agg_rows), k + 1))
@@ -87,13 +97,15 @@ def scripted(rng, n, num_rows, dim, m, max_lag, max_ids=6):
 @pytest.mark.parametrize("dtype,tol", [(tf.float16, 3e-3), (tf.bfloat16, 3e-2),
                                        (tf.float32, 1e-6), (tf.float64, 1e-12)])
 @pytest.mark.parametrize("index_dtype", [tf.int32, tf.int64])
-def test_per_id_staleness_every_dtype(dtype, tol, index_dtype):
+@pytest.mark.parametrize("sparse_normalize", gba_ops.SPARSE_NORMALIZATIONS)
+def test_per_id_staleness_every_dtype(dtype, tol, index_dtype, sparse_normalize):
   rng = np.random.default_rng(3)
   num_rows, dim, m, iota = 12, 3, 3, 1
   pushes = scripted(rng, 60, num_rows, dim, m, max_lag=4)
   pushes = [(t, i, r.astype(dtype.as_numpy_dtype).astype(np.float64)) for t, i, r in pushes]
-  want, tags = reference(pushes, num_rows, m, iota)
-  buf = gba_ops.SparseBuffer(num_rows, [dim], dtype, gba_ops.BufferConfig(m, iota))
+  want, tags = reference(pushes, num_rows, m, iota, sparse_normalize=sparse_normalize)
+  buf = gba_ops.SparseBuffer(num_rows, [dim], dtype,
+                             gba_ops.BufferConfig(m, iota, sparse_normalize=sparse_normalize))
   assert_matches(run(buf, pushes, dtype, index_dtype), want, tol)
   step, got_tags = buf.export_state()
   np.testing.assert_array_equal(got_tags.numpy(), tags)
@@ -105,40 +117,86 @@ def test_exponential_decay_and_kept_normalisation():
   rng = np.random.default_rng(4)
   pushes = scripted(rng, 40, 8, 2, 4, max_lag=5)
   for kwargs in (dict(decay="exponential", alpha=0.5),
-                 dict(decay="exponential", alpha=0.8, normalize="kept")):
+                 dict(decay="exponential", alpha=0.8, normalize="kept"),
+                 dict(decay="threshold", alpha=0.5, normalize="kept"),
+                 dict(decay="exponential", alpha=0.5, sparse_normalize="per_id"),
+                 dict(decay="threshold", alpha=0.5, normalize="kept", sparse_normalize="per_id")):
     want, tags = reference(pushes, 8, 4, 0, **kwargs)
     config = gba_ops.BufferConfig(4, 0, decay=kwargs["decay"], decay_alpha=kwargs["alpha"],
-                                  normalize=kwargs.get("normalize", "num_aggregate"))
+                                  normalize=kwargs.get("normalize", "num_aggregate"),
+                                  sparse_normalize=kwargs.get("sparse_normalize",
+                                                              "num_aggregate"))
     buf = gba_ops.SparseBuffer(8, [2], tf.float64, config)
     assert_matches(run(buf, pushes), want, 1e-12)
     np.testing.assert_array_equal(buf.export_state()[1].numpy(), tags)
 
 
-def test_hand_worked_example():
-  # M=2, iota=0. Step 0: push A (token 0) ids [1, 1, 2]; push B (token 0) ids [2].
-  #   id 1: rows summed 1+2=3, c=1 -> 3; id 2: (5 + 7) / 2 = 6. Tags: 1 -> 0, 2 -> 0.
-  # Step 1: push C (token 0) ids [2, 3]: id 2 tag 0 - token 0 = 0 -> kept (per-ID staleness 0
-  #   although the dense staleness is 1); push D (token 1) ids [4].
-  # Step 2: push E (token 0) ids [2]: tag(2)=1 -> staleness 1 > 0 -> dropped; push F (token 2)
-  #   ids []: id 2 is left out entirely and keeps its tag 1.
-  buf = gba_ops.SparseBuffer(5, [1], tf.float32, gba_ops.BufferConfig(2, 0))
+def _hand_pushes(buf):
   p = lambda tok, tick, ids, vals: buf.push(tok, tick, tf.constant(ids, tf.int64),
                                             tf.constant(vals, tf.float32, [len(ids), 1]))
-  p(0, 0, [1, 1, 2], [1.0, 2.0, 5.0])
-  ready, ids, rows, step = p(0, 1, [2], [7.0])
-  assert bool(ready) and int(step) == 1
-  np.testing.assert_array_equal(ids.numpy(), [1, 2])
-  np.testing.assert_array_equal(rows.numpy()[:, 0], [3.0, 6.0])
-  p(0, 2, [2, 3], [4.0, 8.0])
-  ready, ids, rows, _ = p(1, 3, [4], [9.0])
-  np.testing.assert_array_equal(ids.numpy(), [2, 3, 4])
-  np.testing.assert_array_equal(rows.numpy()[:, 0], [4.0, 8.0, 9.0])
-  p(0, 4, [2], [100.0])
-  ready, ids, rows, step = p(2, 5, [], [])
-  assert bool(ready) and int(step) == 3 and ids.shape == (0,) and rows.shape == (0, 1)
-  np.testing.assert_array_equal(buf.export_state()[1].numpy(), [-1, 0, 1, 1, 1])
+  out = []
+  for tick, (tok, ids, vals) in enumerate([
+      (0, [1, 1, 2], [1.0, 2.0, 5.0]), (0, [2], [7.0]),    # step 0
+      (0, [2, 3], [4.0, 8.0]), (1, [4], [9.0]),           # step 1
+      (1, [2], [100.0]), (2, [3], [6.0]),                 # step 2
+      (2, [4], [10.0]), (2, [2], [20.0])]):               # step 3
+    ready, out_ids, rows, step = p(tok, tick, ids, vals)
+    if bool(ready):
+      out.append((int(step), out_ids.numpy().tolist(), rows.numpy()[:, 0].tolist()))
+  return out
+
+
+# M = 2, iota = 0; per-ID staleness s = max(0, tag + 1 - token), tags start at -1.
+#   Step 0: A (token 0) ids [1, 1, 2] rows [1, 2, 5]; B (token 0) id 2 row 7. Every tag is -1:
+#     s = 0. Sums: id 1 -> 1 + 2 = 3, id 2 -> 5 + 7 = 12. Tags 1, 2 -> 0.
+#   Step 1: C (token 0) ids [2, 3]: id 2 was updated in step 0, after version 0 was read:
+#     s = 0 + 1 - 0 = 1 > 0 -> dropped (its dense staleness, 1 - 0, is 1 as well); id 3: s = 0.
+#     D (token 1) id 4: s = 0. Tags 3, 4 -> 1; id 2 keeps tag 0.
+#   Step 2: E (token 1) id 2: s = 0 + 1 - 1 = 0 (unchanged since version 1) -> kept although the
+#     dense staleness is 1. F (token 2) id 3: s = 1 + 1 - 2 = 0. Tags 2, 3 -> 2.
+#   Step 3: G (token 2) id 4: s = 1 + 1 - 2 = 0 -> kept. H (token 2) id 2: s = 2 + 1 - 2 = 1 ->
+#     dropped, exactly the dense staleness 3 - 2 of a row updated in the step before.
+def test_hand_worked_example_default_divisor_is_m():
+  buf = gba_ops.SparseBuffer(5, [1], tf.float32, gba_ops.BufferConfig(2, 0))
+  assert _hand_pushes(buf) == [(1, [1, 2], [1.5, 6.0]),   # 3 / 2, 12 / 2
+                               (2, [3, 4], [4.0, 4.5]),   # 8 / 2, 9 / 2
+                               (3, [2, 3], [50.0, 3.0]),  # 100 / 2, 6 / 2
+                               (4, [4], [5.0])]           # 10 / 2
+  np.testing.assert_array_equal(buf.export_state()[1].numpy(), [-1, 0, 2, 2, 3])
   stats = buf.stats()
-  assert stats.dropped == 1 and stats.aggregations == 3
+  assert stats.dropped == 2 and stats.aggregations == 4
+
+
+def test_hand_worked_example_per_id_divisor():
+  buf = gba_ops.SparseBuffer(5, [1], tf.float32,
+                             gba_ops.BufferConfig(2, 0, sparse_normalize="per_id"))
+  assert _hand_pushes(buf) == [(1, [1, 2], [3.0, 6.0]),   # c(1) = 1, c(2) = 2
+                               (2, [3, 4], [8.0, 9.0]),   # id 2 all dropped: left out
+                               (3, [2, 3], [100.0, 6.0]),
+                               (4, [4], [10.0])]
+  np.testing.assert_array_equal(buf.export_state()[1].numpy(), [-1, 0, 2, 2, 3])
+
+
+def test_row_updated_every_step_has_the_dense_staleness():
+  # Row 0 is in every push, so it is updated in every aggregation: a push with token t arriving
+  # at step k must then be judged by k - t, like a dense variable. With iota = 1 a lag of 1 is
+  # kept and a lag of 2 is dropped.
+  buf = gba_ops.SparseBuffer(1, [1], tf.float64, gba_ops.BufferConfig(1, 1))
+  push = lambda tok, tick: buf.push(tok, tick, tf.constant([0], tf.int64),
+                                    tf.constant([[1.0]], tf.float64))
+  for k in range(3):
+    assert bool(push(k, k)[0])                     # s = 0, step k -> k + 1
+  ready, ids, _, step = push(2, 3)                 # step 3, token 2: s = 1 <= 1
+  assert bool(ready) and ids.numpy().tolist() == [0] and int(step) == 4
+  ready, ids, _, step = push(2, 4)                 # step 4, token 2: s = 2 > 1
+  assert bool(ready) and ids.numpy().tolist() == [] and int(step) == 5
+  stats = buf.stats()
+  assert stats.dropped == 1 and stats.staleness_max == 2
+
+
+def test_bad_sparse_normalize():
+  with pytest.raises(ValueError, match="sparse_normalize must be one of"):
+    gba_ops.BufferConfig(2, sparse_normalize="mean")
 
 
 def test_empty_pushes_fill_the_batch():
@@ -156,8 +214,8 @@ def test_nonfinite_rows_dropped_and_duplicates_ignored():
   ready, ids, rows, _ = buf.push(0, 1, tf.constant([0, 1], tf.int64), tf.constant([[2.0], [4.0]]))
   assert bool(ready)
   np.testing.assert_array_equal(ids.numpy(), [0, 1])
-  # id 0: c=2 (the NaN push touched it but has weight 0) -> 2 / 2.
-  np.testing.assert_array_equal(rows.numpy()[:, 0], [1.0, 4.0])
+  # Divisor M = 2 for both rows (the NaN push holds one of the two places).
+  np.testing.assert_array_equal(rows.numpy()[:, 0], [1.0, 2.0])
   s = buf.stats()
   assert (s.nonfinite, s.duplicates, s.dropped) == (1, 1, 1)
 

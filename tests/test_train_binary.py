@@ -122,6 +122,17 @@ def test_restores_from_model_dir(tmp_path):
   assert second["global_step"] == 30
 
 
+def test_sparse_normalize_flag_is_recorded(tmp_path):
+  summary = _run(tmp_path, mode="gba", sparse_normalize="per_id", steps=20)
+  assert summary["sparse_normalize"] == "per_id" and summary["global_step"] == 10
+
+
+def test_bad_sparse_normalize_is_refused():
+  from tf_gba.training import TrainConfig  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="--sparse_normalize must be one of"):
+    TrainConfig(sparse_normalize="mean").validate()
+
+
 def test_bad_flag_combination_is_refused(tmp_path):
   with pytest.raises(app.UsageError, match="not a multiple"):
     _run(tmp_path, global_batch_size=1000, local_batch_size=300)

@@ -65,15 +65,15 @@ def buffer_config_for(mode: str, config: gba_ops.BufferConfig,
                       num_aggregate: int) -> gba_ops.BufferConfig:
   """The buffers' configuration in `mode`, from the GBA optimizer's own `config`.
 
-  GBA keeps the user's configuration; the baselines keep only its non-finite policy and
-  histogram size.
+  GBA keeps the user's configuration; the baselines keep only its non-finite policy, histogram
+  size and embedding divisor.
   """
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
   if mode == "gba":
     return config
   common = dict(num_aggregate=num_aggregate, nonfinite=config.nonfinite,
-                histogram_bins=config.histogram_bins)
+                histogram_bins=config.histogram_bins, sparse_normalize=config.sparse_normalize)
   if mode == "hop_bw":
     return gba_ops.BufferConfig(staleness_threshold=0, count_dropped=False,
                                 per_id_staleness=False, **common)

@@ -21,6 +21,8 @@ from tf_gba.ops import loader
 
 DECAYS = ("threshold", "exponential")
 NORMALIZATIONS = ("num_aggregate", "kept")
+# Embedding rows: divide by M (an all-reduce Sync's mean) or by c(id) (the paper's rule).
+SPARSE_NORMALIZATIONS = ("num_aggregate", "per_id")
 NONFINITE_POLICIES = ("drop", "error")
 # A threshold large enough that no gradient is ever too stale (async, BSP).
 NEVER_STALE = 2**62
@@ -51,8 +53,13 @@ class BufferConfig:
     staleness_threshold: iota; a gradient with staleness s <= iota has weight 1.
     decay: "threshold" (f = 1 if s <= iota else 0) or "exponential" (f = alpha**max(0, s - iota)).
     decay_alpha: alpha of the exponential decay, in (0, 1].
-    normalize: "num_aggregate" divides the weighted sum by M (per-id divisor c(id) for embedding
-      rows); "kept" divides by the number of gradients with a non-zero weight.
+    normalize: "num_aggregate" divides the weighted sum by M; "kept" divides by the number of
+      gradients with a non-zero weight (for embedding rows: of the entries counted by
+      `sparse_normalize`, those whose weight for the row was not 0).
+    sparse_normalize: embedding rows only. "num_aggregate" (default) divides a row's weighted sum
+      by M, entries without the row counting as zero rows: what the all-reduce Sync mode applies,
+      so that GBA without staleness equals Sync (SPEC "Zero-staleness equivalence"). "per_id"
+      divides by c(id), the number of entries whose batch contained the row (the paper's rule).
     count_dropped: whether a dropped gradient still takes one of the M places.
     per_id_staleness: embedding buffers only: True judges each id by its own row's staleness
       (GBA); False judges every id of a push by the push's dense staleness, so a stale push is
@@ -69,6 +76,7 @@ class BufferConfig:
   per_id_staleness: bool = True
   nonfinite: str = "drop"
   histogram_bins: int = 16
+  sparse_normalize: str = "num_aggregate"
 
   def __post_init__(self):
     if not isinstance(self.num_aggregate, (int, np.integer)) or self.num_aggregate < 1:
@@ -81,12 +89,16 @@ class BufferConfig:
       raise ValueError(f"decay_alpha must be in (0, 1], got {self.decay_alpha}.")
     if self.normalize not in NORMALIZATIONS:
       raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {self.normalize!r}.")
+    if self.sparse_normalize not in SPARSE_NORMALIZATIONS:
+      raise ValueError(f"sparse_normalize must be one of {SPARSE_NORMALIZATIONS}, got "
+                       f"{self.sparse_normalize!r}.")
     if self.nonfinite not in NONFINITE_POLICIES:
       raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}.")
     if self.histogram_bins < 1:
       raise ValueError(f"histogram_bins must be >= 1, got {self.histogram_bins}.")
 
   def attrs(self) -> dict:
+    """Attributes every buffer-creating op takes (sparse buffers add `sparse_normalize`)."""
     return dict(num_aggregate=int(self.num_aggregate),
                 staleness_threshold=int(self.staleness_threshold), decay=self.decay,
                 decay_alpha=float(self.decay_alpha), normalize=self.normalize,
@@ -273,7 +285,8 @@ class SparseBuffer(_Buffer):
   def _create_resource(self):
     return _ops().gba_sparse_buffer_create(
         dtype=self._dtype, num_rows=self._num_rows, row_shape=self._row_shape,
-        initial_step=self._initial_step, shared_name=self._shared_name, **self._config.attrs())
+        initial_step=self._initial_step, shared_name=self._shared_name,
+        sparse_normalize=self._config.sparse_normalize, **self._config.attrs())
 
   def push(self, token, ticket, indices, values):
     """Pushes embedding rows; returns (ready, ids, rows, global_step). See `GBA>SparseBufferPush`."""

@@ -76,6 +76,9 @@ class GBA(keras.optimizers.Optimizer):
     decay: "threshold" (drop gradients staler than iota) or "exponential"
       (weight decay_alpha ** (staleness - iota)).
     normalize: "num_aggregate" (divide by M, SPEC default) or "kept".
+    sparse_normalize: embedding rows: "num_aggregate" (divide by M, rows absent from an entry
+      counting as zero, which is what the all-reduce Sync mode applies) or "per_id" (divide by
+      the number of entries that contained the row, the paper's rule).
     nonfinite: "drop" (a gradient with NaN/Inf gets weight 0 and is counted) or "error".
   """
 
@@ -83,7 +86,7 @@ class GBA(keras.optimizers.Optimizer):
                global_batch_size: Optional[int] = None, local_batch_size: Optional[int] = None,
                staleness_threshold: int = 3, decay: str = "threshold", decay_alpha: float = 0.5,
                normalize: str = "num_aggregate", nonfinite: str = "drop", name: str = "GBA",
-               **kwargs):
+               sparse_normalize: str = "num_aggregate", **kwargs):
     if isinstance(inner, str):
       inner = keras.optimizers.get(inner)
     if not isinstance(inner, keras.optimizers.Optimizer):
@@ -107,7 +110,8 @@ class GBA(keras.optimizers.Optimizer):
     self._inner = inner
     self._requested_m = resolve_num_aggregate(num_aggregate, global_batch_size, local_batch_size)
     self._config_args = dict(staleness_threshold=staleness_threshold, decay=decay,
-                             decay_alpha=decay_alpha, normalize=normalize, nonfinite=nonfinite)
+                             decay_alpha=decay_alpha, normalize=normalize, nonfinite=nonfinite,
+                             sparse_normalize=sparse_normalize)
     # Validate now, with the user's arguments, rather than at the first training step.
     gba_ops.BufferConfig(num_aggregate=self._requested_m or 1, **self._config_args)
     strategy = tf.distribute.get_strategy()

@@ -5,6 +5,7 @@ from typing import Optional
 
 from tf_gba.distribute import modes as modes_lib
 from tf_gba.distribute import stragglers as stragglers_lib
+from tf_gba.ops import gba_ops
 
 # Parameter-server modes (GBAStrategy), then the all-reduce ones (one process per worker).
 PS_MODES = modes_lib.MODES
@@ -23,6 +24,9 @@ class TrainConfig:
   global_batch_size: Optional[int] = None
   local_batch_size: int = 256
   staleness_threshold: int = 3
+  # Divisor of an embedding row's aggregate in the parameter-server modes: M (what the all-reduce
+  # Sync mode applies) or c(id), the number of entries containing the row (the paper's rule).
+  sparse_normalize: str = "num_aggregate"
   stragglers: str = "none"
   straggler_seed: int = 0
   steps: int = 2000
@@ -100,6 +104,9 @@ class TrainConfig:
     if self.eval_day is not None and self.mode == "dts":
       raise ValueError("--eval_day is not supported with --mode=dts (it evaluates on the eval "
                        "split of --day); leave --eval_day unset.")
+    if self.sparse_normalize not in gba_ops.SPARSE_NORMALIZATIONS:
+      raise ValueError(f"--sparse_normalize must be one of {gba_ops.SPARSE_NORMALIZATIONS}, got "
+                       f"{self.sparse_normalize!r}.")
     if self.staleness_threshold < 0:
       raise ValueError(f"--staleness_threshold must be >= 0, got {self.staleness_threshold}.")
     if not self.learning_rate > 0:

@@ -144,7 +144,8 @@ class _Job:
         self.optimizer = inner
       else:
         self.optimizer = GBA(inner, num_aggregate=config.num_aggregate,
-                             staleness_threshold=config.staleness_threshold)
+                             staleness_threshold=config.staleness_threshold,
+                             sparse_normalize=config.sparse_normalize)
       self.model.compile(self.optimizer, loss=keras.losses.BinaryCrossentropy())
       # Slots before restoring (a deferred restore of sharded slots cannot run on the PS), and
       # under the scope, so optimizers that read state before each step can register with it.
@@ -333,6 +334,7 @@ def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, s
       "num_ps": strategy.num_ps, "num_workers": strategy.num_workers,
       "num_aggregate": config.num_aggregate, "local_batch_size": config.local_batch_size,
       "global_batch_size": config.global_batch, "stragglers": config.stragglers,
+      "sparse_normalize": config.sparse_normalize,
       "steps": steps_run, "examples": steps_run * config.local_batch_size,
       "wall_seconds": total_wall,
       "global_qps": steps_measured * config.local_batch_size / wall,

@@ -46,6 +46,10 @@ struct BufferConfig {
   // the push's dense staleness step - token (Hop-BW: a gradient from an older version is ignored
   // whole, as a backup worker's would be). Dense buffers always use the dense staleness.
   bool per_id_staleness = true;
+  // Embedding buffers: divide a row's weighted sum by M, absent entries counting as zero rows
+  // (false: what an all-reduce Sync applies, the default), or by c(id), the number of entries
+  // that contained the id (true: the paper's rule, a PS Sync averaging sparse gradients per id).
+  bool sparse_per_id_divisor = false;
   bool error_on_nonfinite = false;    // else: drop the push (weight 0) and count it
   int64_t histogram_bins = 16;
   int64_t dedupe_window = 1 << 16;    // how many recent tickets are remembered

@@ -1,10 +1,14 @@
 // Sparse GBA gradient buffer for embedding rows (SPEC section 1, "Embeddings: per-ID staleness").
 //
 // Every row carries last_step[id], the global step that last updated it (-1: never). A push's
-// weight for an id is decided by the id's own staleness max(0, last_step[id] - token), which is
-// exact at push time because tags only change at aggregation. Accumulators exist only for the ids
-// touched in the current global batch (a compact pool indexed through slot_[id]), so the extra
-// memory per row is one int64 tag and one int32 slot.
+// weight for an id is decided by the id's own staleness max(0, last_step[id] + 1 - token), which
+// is exact at push time because tags only change at aggregation. Aggregation k produces version
+// k + 1 and token t stands for version t, so a row tagged j has changed since version t iff
+// j >= t: the `+ 1` makes a row updated in every step exactly as stale as the dense variables.
+// A row's weighted sum is divided by M by default (an all-reduce Sync's mean, absent entries
+// counting as zero rows) or, with sparse_normalize='per_id', by c(id) (the paper's rule).
+// Accumulators exist only for the ids touched in the current global batch (a compact pool indexed
+// through slot_[id]), so the extra memory per row is one int64 tag and one int32 slot.
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
@@ -194,6 +198,12 @@ class SparseBufferCreateOp : public OpKernel {
  public:
   explicit SparseBufferCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ParseBufferConfig(ctx, &config_));
+    std::string sparse_normalize;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("sparse_normalize", &sparse_normalize));
+    OP_REQUIRES(ctx, sparse_normalize == "num_aggregate" || sparse_normalize == "per_id",
+                errors::InvalidArgument("sparse_normalize must be 'num_aggregate' or 'per_id', "
+                                        "got '", sparse_normalize, "'."));
+    config_.sparse_per_id_divisor = sparse_normalize == "per_id";
     OP_REQUIRES_OK(ctx, ctx->GetAttr("dtype", &dtype_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_rows", &num_rows_));
     OP_REQUIRES(ctx, num_rows_ >= 0 && num_rows_ < (int64_t{1} << 31),
@@ -321,7 +331,7 @@ class SparseBufferPushOp : public OpKernel {
           }
           SparseGradientBuffer::Touched& t = buf->touched[sl];
           const int64_t staleness = config.per_id_staleness
-                                        ? std::max<int64_t>(0, buf->tags[id] - token)
+                                        ? std::max<int64_t>(0, buf->tags[id] + 1 - token)
                                         : push_staleness;
           const double w = config.per_id_staleness
                                ? (finite ? config.decay.Weight(staleness) : 0.0)
@@ -375,7 +385,9 @@ class SparseBufferPushOp : public OpKernel {
   // with the step k being applied, and clears the batch. Caller holds mu.
   static Status Aggregate(OpKernelContext* ctx, SparseGradientBuffer* buf, const Acc* pool) {
     const int64_t row_size = buf->row_size();
-    const bool by_kept = buf->core_.config().normalize == Normalize::kKept;
+    const BufferConfig& config = buf->core_.config();
+    const bool by_kept = config.normalize == Normalize::kKept;
+    const int64_t m = config.num_aggregate;
     std::vector<int32_t> order;
     std::vector<Acc> inv;
     order.reserve(buf->touched.size());
@@ -384,7 +396,15 @@ class SparseBufferPushOp : public OpKernel {
       const SparseGradientBuffer::Touched& t = buf->touched[s];
       if (t.kept > 0) {
         order.push_back(s);
-        inv.push_back(Acc(1) / static_cast<Acc>(by_kept ? t.kept : t.count));
+        int64_t divisor;
+        if (config.sparse_per_id_divisor) {
+          divisor = by_kept ? t.kept : t.count;
+        } else {
+          // Out of the M entries, those whose weight for this id was 0 are the only ones not
+          // kept (an entry without the id contributes a kept zero row).
+          divisor = by_kept ? std::max<int64_t>(t.kept, m - (t.count - t.kept)) : m;
+        }
+        inv.push_back(Acc(1) / static_cast<Acc>(divisor));
       }
     }
     const int64_t k = static_cast<int64_t>(order.size());

@@ -155,6 +155,7 @@ REGISTER_OP("GBA>SparseBufferCreate")
     .Attr("dtype: {half, bfloat16, float, double}")
     .Attr("num_rows: int")
     .Attr("row_shape: shape")
+    .Attr("sparse_normalize: {'num_aggregate', 'per_id'} = 'num_aggregate'")
     .GBA_BUFFER_ATTRS
     .SetIsStateful()
     .SetShapeFn(ScalarResource)
@@ -192,10 +193,11 @@ REGISTER_OP("GBA>SparseBufferPush")
     })
     .Doc(R"doc(
 Stores (token, ids, rows) with duplicate ids summed, weighting each id by its own staleness
-max(0, last_step[id] - token). The push that completes the M-th entry gets ready=true and the
-aggregate rows sum_m w_m(id) row_m[id] / c(id) for the ids with a non-zero weight, in the order
-they were first pushed; then last_step[id] = k for those ids. Other pushes get ready=false and
-empty outputs.
+max(0, last_step[id] + 1 - token). The push that completes the M-th entry gets ready=true and the
+aggregate rows sum_m w_m(id) row_m[id] / d(id) for the ids with a non-zero weight, in the order
+they were first pushed, where d(id) = M (sparse_normalize='num_aggregate': absent entries count as
+zero rows, as in an all-reduce) or c(id), the number of entries containing id ('per_id'); then
+last_step[id] = k for those ids. Other pushes get ready=false and empty outputs.
 )doc");
 
 REGISTER_OP("GBA>SparseBufferStats")
