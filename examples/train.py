@@ -62,15 +62,18 @@ def define_flags() -> None:
   flags.DEFINE_integer("seed", 0, "Seed of the model and the input order.")
   flags.DEFINE_bool("strict_data", False, "Fail on a malformed data row instead of skipping it.")
   flags.DEFINE_integer("bsp_aggregate", None,
-                       "BSP's b2: gradients per step, whatever their version (default: workers).")
+                       "BSP's b2: gradients per step, whatever their version (default: "
+                       "max(1, round(workers / 5))).")
   flags.DEFINE_integer("hop_bs_bound", 2,
                        "Hop-BS's b1: a worker blocks while more than b1 steps ahead of the "
                        "slowest worker.")
-  flags.DEFINE_float("hop_bs_timeout_s", 30.0,
-                     "Hop-BS: a worker blocked this long goes on anyway (counted in the summary).")
-  flags.DEFINE_integer("hop_bw_backup", 1,
+  flags.DEFINE_float("hop_bs_timeout_s", None,
+                     "Hop-BS: a worker blocked this long goes on anyway (counted in the summary); "
+                     "unset: it blocks without a time limit.")
+  flags.DEFINE_integer("hop_bw_backup", None,
                        "Hop-BW's b3: backup workers; each step takes the first num_workers - b3 "
-                       "gradients of the current version.")
+                       "gradients of the current version, and a worker computes at most one "
+                       "gradient per version (default: max(1, round(workers / 5))).")
   flags.DEFINE_integer("dts_delay", 4, "DTS: the all-reduce of step n is consumed at n + t - 1 "
                        "(1: synchronous).")
   flags.DEFINE_integer("dts_period", 4, "DTS: communicate every p-th step.")

@@ -7,15 +7,21 @@ Hop-BS, a barrier before each step (`tf_gba.ops.worker_clock`, applied by `GBASt
   gba     M gradients per global step; a gradient whose token is more than iota steps old gets
           weight 0 (embedding rows: by each row's own staleness); the sum is divided by M.
   async   every gradient is applied on arrival (M = 1), whatever its staleness.
-  bsp     b2 gradients per step (default N), whatever version they were computed on.
+  bsp     b2 gradients per step, whatever version they were computed on; default
+          b2 = max(1, round(N / 5)), the paper's ratio (20 of 100 workers): with b2 = N BSP would
+          be GBA without decay.
   hop_bs  N gradients per step, as BSP, and bounded staleness: a worker blocks before a step
-          while it has finished more than b1 steps beyond the slowest worker. **Settled:** the
-          paper does not say how Hop-BS aggregates on a parameter server; N gradients per step
-          keeps the synchronous global batch, like every other mode here.
-  hop_bw  N - b3 gradients per step, only those computed on the current version: a step's token
-          is the global step read with the parameters, and a gradient with staleness > 0 is
-          ignored whole (embedding rows too) without taking a place in the step, as the late
-          gradients of backup workers are.
+          while it has finished more than b1 steps beyond the slowest worker (no time limit
+          unless one is given). **Settled:** the paper does not say how Hop-BS aggregates on a
+          parameter server; N gradients per step keeps the synchronous global batch, like every
+          other mode here.
+  hop_bw  the first N - b3 gradients computed on version k make step k (default
+          b3 = max(1, round(N / 5))); each worker computes at most one gradient per version:
+          after pushing for version k it waits for version k + 1 (`tf_gba.ops.version_barrier`).
+          A step's token is the version the barrier let it compute on, and a gradient with
+          staleness > 0 (computed on k, arriving after step k was aggregated) is dropped whole
+          (embedding rows too) without taking a place in the step, as backup workers' late
+          gradients are.
 """
 
 from typing import Optional
@@ -24,8 +30,16 @@ from tf_gba.ops import gba_ops
 
 MODES = ("gba", "async", "bsp", "hop_bs", "hop_bw")
 DEFAULT_HOP_BS_BOUND = 2      # b1, the paper's default
-DEFAULT_HOP_BW_BACKUP = 1     # b3
-DEFAULT_HOP_BS_TIMEOUT_S = 30.0
+
+
+def default_bsp_aggregate(num_workers: int) -> int:
+  """BSP's b2 when none is given: N / 5, the paper's 20 of 100 workers."""
+  return max(1, round(num_workers / 5))
+
+
+def default_hop_bw_backup(num_workers: int) -> int:
+  """Hop-BW's b3 when none is given: N / 5 (paper: 20 of 100), leaving at least one gradient."""
+  return min(max(1, round(num_workers / 5)), max(0, num_workers - 1))
 
 
 def check_parameters(mode: str, num_workers: int, bsp_aggregate: Optional[int],
@@ -36,8 +50,11 @@ def check_parameters(mode: str, num_workers: int, bsp_aggregate: Optional[int],
     raise ValueError(f"{prefix}bsp_aggregate (b2) must be >= 1, got {bsp_aggregate}.")
   if hop_bs_bound < 0:
     raise ValueError(f"{prefix}hop_bs_bound (b1) must be >= 0, got {hop_bs_bound}.")
-  if not hop_bs_timeout_s > 0:
-    raise ValueError(f"{prefix}hop_bs_timeout_s must be > 0, got {hop_bs_timeout_s}.")
+  if hop_bs_timeout_s is not None and not hop_bs_timeout_s > 0:
+    raise ValueError(f"{prefix}hop_bs_timeout_s must be > 0 (unset: no time limit), got "
+                     f"{hop_bs_timeout_s}.")
+  if hop_bw_backup is None:
+    hop_bw_backup = default_hop_bw_backup(num_workers)
   if mode == "hop_bw" and not 0 <= hop_bw_backup < num_workers:
     raise ValueError(f"{prefix}hop_bw_backup (b3) must be in [0, num_workers - 1] = "
                      f"[0, {num_workers - 1}]: each step takes num_workers - b3 >= 1 "
@@ -46,17 +63,19 @@ def check_parameters(mode: str, num_workers: int, bsp_aggregate: Optional[int],
 
 def num_aggregate_for(mode: str, num_workers: int, gba_num_aggregate: Optional[int] = None,
                       bsp_aggregate: Optional[int] = None,
-                      hop_bw_backup: int = DEFAULT_HOP_BW_BACKUP) -> int:
+                      hop_bw_backup: Optional[int] = None) -> int:
   """Gradients aggregated per global step in `mode`."""
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
   if mode == "async":
     return 1
   if mode == "bsp":
-    return bsp_aggregate or num_workers
+    return bsp_aggregate or default_bsp_aggregate(num_workers)
   if mode == "hop_bs":
     return num_workers
   if mode == "hop_bw":
+    if hop_bw_backup is None:
+      hop_bw_backup = default_hop_bw_backup(num_workers)
     return num_workers - hop_bw_backup
   return gba_num_aggregate or num_workers
 

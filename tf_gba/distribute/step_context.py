@@ -19,6 +19,12 @@ class StepInfo:
   token: tf.Tensor            # int64 scalar: floor(i / M) for the i-th fetch
   ticket: tf.Tensor           # int64 scalar: i itself, unique per step; pushes are deduped by it
   reads: Dict[str, Any] = dataclasses.field(default_factory=dict)
+  # Hop-BW: a step released from its barrier without a new version pushes nothing (bool scalar).
+  skip: Optional[tf.Tensor] = None
+  # Written by the optimizer while it applies: how many of the step's `num_buffers` gradient
+  # buffers its push completed (int64 scalar, after their updates). Hop-BW's barrier reads it.
+  completed: Optional[tf.Tensor] = None
+  num_buffers: int = 0
 
 
 _local = threading.local()

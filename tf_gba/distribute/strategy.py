@@ -16,6 +16,8 @@ Example:
     model.fit(dataset_fn, steps_per_epoch=100)
 """
 
+import threading
+import time
 from typing import Any, Callable, Dict, Optional
 
 import tensorflow as tf
@@ -45,25 +47,32 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     stragglers: a straggler profile (see `tf_gba.distribute.stragglers`), applied as real delays
       inside each worker's step; "none" by default.
     straggler_seed: seed of the transient slowdowns.
-    bsp_aggregate: b2, gradients per step in "bsp" mode; default the number of workers.
+    bsp_aggregate: b2, gradients per step in "bsp" mode; default max(1, round(N / 5)).
     hop_bs_bound: b1 of "hop_bs": how many steps a worker may be ahead of the slowest one.
-    hop_bs_timeout_s: "hop_bs": a worker blocked this long goes on anyway (counted), so that a
-      job whose slowest worker has no more steps to run cannot hang at the end of training.
-    hop_bw_backup: b3 of "hop_bw": backup workers, i.e. each step takes N - b3 gradients.
+    hop_bs_timeout_s: "hop_bs": None (default) blocks without a time limit; else a worker
+      blocked this long goes on anyway (counted).
+    hop_bw_backup: b3 of "hop_bw": backup workers, i.e. each step takes the first N - b3
+      gradients of the current version; default max(1, round(N / 5)).
+
+  The barriers of "hop_bs" and "hop_bw" block workers; at the end of training (each `join()` of
+  the coordinator, e.g. the end of every `fit` epoch) the workers still blocked while nothing else
+  runs are released, since no step is left that could let them go.
   """
 
   def __init__(self, cluster_resolver, variable_partitioner=None, mode: str = "gba",
                num_aggregate: Optional[int] = None, stragglers: str = "none",
                straggler_seed: int = 0, bsp_aggregate: Optional[int] = None,
                hop_bs_bound: int = modes_lib.DEFAULT_HOP_BS_BOUND,
-               hop_bs_timeout_s: float = modes_lib.DEFAULT_HOP_BS_TIMEOUT_S,
-               hop_bw_backup: int = modes_lib.DEFAULT_HOP_BW_BACKUP):
+               hop_bs_timeout_s: Optional[float] = None,
+               hop_bw_backup: Optional[int] = None):
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
     if num_aggregate is not None and num_aggregate < 1:
       raise ValueError(f"num_aggregate must be >= 1, got {num_aggregate}.")
     spec = cluster_resolver.cluster_spec()
     num_workers = len(spec.job_tasks("worker"))
+    if hop_bw_backup is None:
+      hop_bw_backup = modes_lib.default_hop_bw_backup(num_workers)
     modes_lib.check_parameters(mode, num_workers, bsp_aggregate, hop_bs_bound, hop_bs_timeout_s,
                                hop_bw_backup)
     self._gba_stragglers = stragglers_lib.parse(stragglers)
@@ -75,13 +84,80 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     self._gba_num_aggregate = num_aggregate
     self._gba_bsp_aggregate = bsp_aggregate
     self._gba_hop_bs_bound = int(hop_bs_bound)
-    self._gba_hop_bs_timeout_ms = int(hop_bs_timeout_s * 1000)
+    self._gba_hop_bs_timeout_ms = int(hop_bs_timeout_s * 1000) if hop_bs_timeout_s else 0
     self._gba_hop_bw_backup = int(hop_bw_backup)
     self._gba_token_generator: Optional[gba_ops.TokenGenerator] = None
     self._gba_worker_clock = None
+    self._gba_version_barrier = None
+    # Hop-BS statistics of the clock before each release (a release zeroes the clock's own).
+    self._gba_hop_bs_totals = None
     self._gba_version_reader: Optional[Callable[[], Any]] = None
     self._gba_pre_step_readers: Dict[str, Callable[[], Any]] = {}
     self._gba_uses_tokens = False
+
+  # ParameterServerStrategy keeps its ClusterCoordinator here; ClusterCoordinator(strategy)
+  # stores itself on first use. Its join() is wrapped as it arrives so that blocked workers are
+  # released at the end of every join (see `_join_releasing_blocked_workers`).
+  @property
+  def _cluster_coordinator(self):
+    return self.__dict__.get("_gba_coordinator")
+
+  @_cluster_coordinator.setter
+  def _cluster_coordinator(self, coordinator):
+    if coordinator is not None and not getattr(coordinator, "_gba_join_wrapped", False):
+      original = coordinator.join
+      coordinator.join = lambda: self._join_releasing_blocked_workers(coordinator, original)
+      coordinator._gba_join_wrapped = True  # pylint: disable=protected-access
+    self.__dict__["_gba_coordinator"] = coordinator
+
+  def _join_releasing_blocked_workers(self, coordinator, join):
+    """Runs `join()`; meanwhile releases barrier waits that nothing can release any more.
+
+    During a join nothing new is scheduled. When every closure still running is a wait blocked
+    at the Hop-BS or Hop-BW barrier (and no step finished between two looks), the workers that
+    would let them go have no step left, and the join would never return.
+    """
+    if self._gba_mode not in ("hop_bs", "hop_bw"):
+      return join()
+    stop = threading.Event()
+
+    def watch():
+      queue = coordinator._cluster.closure_queue  # pylint: disable=protected-access
+      previous = None
+      while not stop.wait(0.2):
+        with queue._queue_lock:  # pylint: disable=protected-access
+          inflight = queue._inflight_closure_count  # pylint: disable=protected-access
+          pending = not queue._queue.empty()  # pylint: disable=protected-access
+        if pending or inflight == 0:
+          previous = None
+          continue
+        state = self._barrier_state()
+        if state is None:
+          continue
+        blocked, progress = state
+        if blocked == inflight and previous == (blocked, progress):
+          self.release_blocked_workers()
+          previous = None
+        else:
+          previous = (blocked, progress)
+
+    watcher = threading.Thread(target=watch, daemon=True, name="gba_barrier_release")
+    watcher.start()
+    try:
+      return join()
+    finally:
+      stop.set()
+      watcher.join()
+
+  def _barrier_state(self):
+    """(waits blocked now, a value that changes whenever a step completes), or None."""
+    if self._gba_mode == "hop_bs" and self._gba_worker_clock is not None:
+      raw = self._gba_worker_clock.stats()
+      return int(self._gba_worker_clock.waiting().sum()), tuple(raw["completed"].tolist())
+    if self._gba_mode == "hop_bw" and self._gba_version_barrier is not None:
+      raw = self._gba_version_barrier.stats()
+      return int(raw["waiting"].sum()), (raw["version"], tuple(raw["gradients"].tolist()))
+    return None
 
   @property
   def mode(self) -> str:
@@ -147,6 +223,32 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
             self._gba_num_workers, device=PS0_DEVICE, name="hop_bs_clock")
     return self._gba_worker_clock
 
+  @property
+  def version_barrier(self):
+    """Hop-BW's per-version barrier on PS 0 (a `tf_gba.ops.version_barrier.VersionBarrier`)."""
+    if self._gba_version_barrier is None:
+      if self._gba_version_reader is None:
+        raise ValueError("mode='hop_bw' needs the GBA optimizer (tf_gba.optimizers.GBA) built "
+                         "under this strategy's scope before training: it provides the model "
+                         "version the barrier starts from.")
+      from tf_gba.ops import version_barrier  # pylint: disable=g-import-not-at-top
+      with tf.init_scope():
+        self._gba_version_barrier = version_barrier.VersionBarrier(
+            self._gba_num_workers, device=PS0_DEVICE,
+            initial_version=int(self._gba_version_reader().numpy()), name="hop_bw_barrier")
+    return self._gba_version_barrier
+
+  def hop_bw_stats(self) -> Optional[dict]:
+    """Hop-BW: the version and per worker gradients pushed, repeats, released waits, blocking."""
+    if self._gba_mode != "hop_bw" or self._gba_version_barrier is None:
+      return None
+    raw = self._gba_version_barrier.stats()
+    return {"version": raw["version"],
+            "gradients": [int(x) for x in raw["gradients"]],
+            "duplicates": [int(x) for x in raw["duplicates"]],
+            "released": [int(x) for x in raw["released"]],
+            "blocked_seconds": [float(ns) / 1e9 for ns in raw["blocked_ns"]]}
+
   def register_version_reader(self, fn: Callable[[], Any]) -> None:
     """Called by GBA optimizers: `fn()` reads the model version (the global step, int64).
 
@@ -162,25 +264,23 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     """
     self._gba_pre_step_readers[name] = fn
 
-  def _begin_step(self) -> step_context.StepInfo:
+  def _begin_step(self, version=None, skip=None) -> step_context.StepInfo:
     token = ticket = None
     if self._gba_uses_tokens:
       token, ticket = self.token_generator.fetch()
-      if self._gba_mode == "hop_bw":
-        if self._gba_version_reader is None:
-          raise ValueError("mode='hop_bw' needs the GBA optimizer (tf_gba.optimizers.GBA) built "
-                           "under this strategy's scope before training: it provides the "
-                           "model version each step's gradient is judged by.")
-        with tf.control_dependencies([ticket]):
-          token = tf.cast(self._gba_version_reader(), tf.int64)
+      if version is not None:
+        # Hop-BW: the token is the version the barrier let this step compute on.
+        token = version
     reads = {name: fn() for name, fn in self._gba_pre_step_readers.items()}
-    return step_context.StepInfo(token=token, ticket=ticket, reads=reads)
+    return step_context.StepInfo(token=token, ticket=ticket, reads=reads, skip=skip)
 
   def hop_bs_stats(self) -> Optional[dict]:
     """Hop-BS: per worker blocked seconds, waits and timeouts, and the largest lead seen."""
     if self._gba_mode != "hop_bs" or self._gba_worker_clock is None:
       return None
     raw = self._gba_worker_clock.stats()
+    if self._gba_hop_bs_totals is not None:
+      raw = self._add_hop_bs_stats(self._gba_hop_bs_totals, raw)
     # Plain Python values: they go into summary.json and TensorBoard as they are.
     return {"completed": [int(c) for c in raw["completed"]],
             "blocked_seconds": [float(ns) / 1e9 for ns in raw["blocked_ns"]],
@@ -188,10 +288,26 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
             "timeouts": [int(t) for t in raw["timeouts"]],
             "max_lead": int(raw["max_lead"])}
 
+  @staticmethod
+  def _add_hop_bs_stats(a, b):
+    out = {k: a[k] + b[k] for k in ("completed", "blocked_ns", "waits", "timeouts")}
+    out["max_lead"] = max(a["max_lead"], b["max_lead"])
+    return out
+
   def release_blocked_workers(self) -> None:
-    """Hop-BS: lets every worker blocked at the barrier go on (end of training)."""
+    """Lets every worker blocked at the Hop-BS or Hop-BW barrier go on (end of training).
+
+    Hop-BS: the clock restarts level (its statistics so far are kept here). Hop-BW: the released
+    steps push nothing.
+    """
     if self._gba_worker_clock is not None:
+      # Waits that end between these two lines are missing from the statistics; nothing else is.
+      raw = self._gba_worker_clock.stats()
+      self._gba_hop_bs_totals = (raw if self._gba_hop_bs_totals is None else
+                                 self._add_hop_bs_stats(self._gba_hop_bs_totals, raw))
       self._gba_worker_clock.reset()
+    if self._gba_version_barrier is not None:
+      self._gba_version_barrier.release()
 
   def worker_step_stats(self):
     """Per worker: steps run, seconds busy and seconds of injected delay (read eagerly)."""
@@ -205,22 +321,31 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     """
 
     hop_bs = self._gba_mode == "hop_bs"
+    hop_bw = self._gba_mode == "hop_bw" and self._gba_uses_tokens
+    from tf_gba.ops import worker_clock  # pylint: disable=g-import-not-at-top
     if hop_bs:
-      from tf_gba.ops import worker_clock  # pylint: disable=g-import-not-at-top
       clock = self.worker_clock
+    if hop_bw:
+      version_barrier = self.version_barrier
 
     def step_fn(*a, **kw):
       barrier = []
+      version = skip = None
+      if hop_bs or hop_bw:
+        worker = worker_clock.worker_index()
       if hop_bs:
         # The barrier comes first: a blocked worker has neither read parameters nor taken a
         # token, and its blocked time is not part of the step's measured (stretched) time.
-        worker = worker_clock.worker_index()
         waited, _ = clock.wait(worker, self._gba_hop_bs_bound, self._gba_hop_bs_timeout_ms)
+        barrier = [waited]
+      if hop_bw:
+        # Likewise: a worker that pushed for the current version waits for the next one.
+        version, skip, waited = version_barrier.wait(worker)
         barrier = [waited]
       with tf.control_dependencies(barrier):
         start = stragglers_lib.step_begin()
       with tf.control_dependencies([start]):
-        info = self._begin_step()
+        info = self._begin_step(version, skip)
       deps = [t for t in tf.nest.flatten([info.token, info.reads]) if t is not None] + [start]
       with step_context.scope(info), tf.control_dependencies(deps):
         outputs = fn(*a, **kw)
@@ -231,6 +356,14 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
         # Finished (straggler delay included): the slowest worker's count moves the barrier.
         with tf.control_dependencies([delay]):
           delay = clock.tick(worker)
+      if hop_bw:
+        if info.completed is None:
+          raise ValueError("mode='hop_bw' needs the GBA optimizer (tf_gba.optimizers.GBA) to "
+                           "apply the step's gradients: it reports which buffers completed.")
+        # After the pushes and the updates they completed (the step's outputs and the delay).
+        with tf.control_dependencies([delay, info.completed]):
+          delay = version_barrier.report(worker, version, tf.logical_not(skip), info.completed,
+                                         info.num_buffers)
       with tf.control_dependencies([delay]):
         return tf.nest.map_structure(
             lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, outputs)

@@ -241,11 +241,25 @@ class GBA(keras.optimizers.Optimizer):
       else:
         token, ticket = self._token_source().fetch()
       self._inner._compute_current_learning_rate()  # pylint: disable=protected-access
+      skip = info.skip if info is not None else None
       leader_ready = None
+      readies = []
       for grad, var in grads_and_vars:
-        ready = self._push_and_maybe_apply(token, ticket, grad, var)
+        if skip is None:
+          ready = self._push_and_maybe_apply(token, ticket, grad, var)
+        else:
+          # Hop-BW: a step released from its barrier without a new version pushes nothing.
+          self._buffer_for(var, grad)
+          ready = tf.cond(skip, lambda: tf.constant(False),
+                          lambda g=grad, v=var: self._push_and_maybe_apply(token, ticket, g, v))
+        readies.append(ready)
         if leader_ready is None:
           leader_ready = ready
+      if info is not None:
+        # How many buffers this push completed, known once their updates ran (the barrier of
+        # Hop-BW moves the version on when every buffer has completed it).
+        info.completed = tf.add_n([tf.cast(r, tf.int64) for r in readies])
+        info.num_buffers = len(readies)
       # Once per global step, after the variable updates above (program order orders them on
       # the `iterations` resource, which Adam & co. read for bias correction).
       with tf.device(self.iterations.device):

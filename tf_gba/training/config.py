@@ -46,12 +46,13 @@ class TrainConfig:
   # Async mode keeps the GBA wrapper with M = 1 (every push applied at once) to measure staleness;
   # False runs the bare inner optimizer, ParameterServerStrategy's own asynchronous training.
   async_staleness_stats: bool = True
-  # Baselines (SPEC section 1): BSP's b2 (None: the number of workers), Hop-BS's b1 and the time
-  # a worker waits at its barrier before going on anyway, Hop-BW's b3.
+  # Baselines (SPEC section 1): BSP's b2 (None: max(1, round(N / 5))), Hop-BS's b1 and the time
+  # a worker waits at its barrier before going on anyway (None: no limit), Hop-BW's b3 (None:
+  # max(1, round(N / 5))).
   bsp_aggregate: Optional[int] = None
   hop_bs_bound: int = modes_lib.DEFAULT_HOP_BS_BOUND
-  hop_bs_timeout_s: float = modes_lib.DEFAULT_HOP_BS_TIMEOUT_S
-  hop_bw_backup: int = modes_lib.DEFAULT_HOP_BW_BACKUP
+  hop_bs_timeout_s: Optional[float] = None
+  hop_bw_backup: Optional[int] = None
   # --mode=dts: synchronous workers with a delayed (t) and temporally sparse (p) all-reduce.
   dts_delay: int = 4
   dts_period: int = 4

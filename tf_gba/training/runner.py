@@ -246,6 +246,7 @@ def run(config: TrainConfig) -> dict:
         w["measured_steps"] = w["steps"]
     stats = _optimizer_stats(job.optimizer)
     stats["hop_bs"] = strategy.hop_bs_stats()
+    stats["hop_bw"] = strategy.hop_bw_stats()
     evaluation = job.evaluate()
     saved = job.manager.save()
     summary = _summary(config, strategy, history, stats, worker_stats, evaluation, wall,
@@ -329,6 +330,15 @@ def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, s
     for w in per_worker:
       w["blocked_seconds"] = round(hop_bs["blocked_seconds"][w["worker"]], 3)
       w["barrier_timeouts"] = int(hop_bs["timeouts"][w["worker"]])
+  hop_bw = stats.get("hop_bw")
+  if hop_bw:
+    for w in per_worker:
+      i = w["worker"]
+      w["blocked_seconds"] = round(hop_bw["blocked_seconds"][i], 3)
+      # Gradients pushed, and steps released at the end of a fit that pushed nothing.
+      w["gradients"] = hop_bw["gradients"][i]
+      w["released_steps"] = hop_bw["released"][i]
+      w["repeated_versions"] = hop_bw["duplicates"][i]
   return {
       "mode": config.mode, "model": config.model, "data": config.data,
       "num_ps": strategy.num_ps, "num_workers": strategy.num_workers,
@@ -353,7 +363,8 @@ def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, s
       # Hop-BW: gradients of an older version, ignored without taking a place in a step.
       "ignored_gradients": dense.get("dropped", 0) if config.mode == "hop_bw" else 0,
       # Hop-BS: time workers spent blocked at the bounded-staleness barrier.
-      "blocked_seconds": (round(sum(hop_bs["blocked_seconds"]), 3) if hop_bs else 0.0),
+      "blocked_seconds": (round(sum(hop_bs["blocked_seconds"]), 3) if hop_bs else
+                          round(sum(hop_bw["blocked_seconds"]), 3) if hop_bw else 0.0),
       "max_lead": hop_bs["max_lead"] if hop_bs else None,
       "final_train_loss": history.history["loss"][-1] if history.history.get("loss") else None,
       "eval_auc": evaluation["auc"], "eval_logloss": evaluation["logloss"],
