@@ -26,10 +26,13 @@ def define_flags() -> None:
   """Defines the binary's flags (once); every flag has a default that works."""
   if "mode" in FLAGS:
     return
-  flags.DEFINE_enum("mode", "gba", ["gba", "async", "bsp", "hop_bs", "hop_bw", "sync", "dts"],
+  flags.DEFINE_enum("mode", "gba", ["gba", "async", "bsp", "hop_bs", "hop_bw", "sync", "dts",
+                                    "async_tuned"],
                     "Parameter-server modes: gba, async, bsp, hop_bs, hop_bw; all-reduce "
                     "modes: sync (synchronous workers) and dts (delayed and temporally sparse "
-                    "all-reduce). The same model, data and hyper-parameters in every mode.")
+                    "all-reduce). The same model, data and hyper-parameters in every mode, "
+                    "except async_tuned: async with its own Adagrad, learning rate and local "
+                    "batch (the paper's Async row).")
   flags.DEFINE_enum("model", "deepfm", ["deepfm", "dcn", "youtube_dnn"], "Model.")
   flags.DEFINE_string("data", "synthetic",
                       "'synthetic', 'criteo:<file, glob or dir>' or 'movielens100k:<dir>'.")
@@ -74,6 +77,11 @@ def define_flags() -> None:
                        "Hop-BW's b3: backup workers; each step takes the first num_workers - b3 "
                        "gradients of the current version, and a worker computes at most one "
                        "gradient per version (default: max(1, round(workers / 5))).")
+  flags.DEFINE_float("async_tuned_learning_rate", 0.007,
+                     "--mode=async_tuned: Adagrad's learning rate (paper: 0.006-0.008).")
+  flags.DEFINE_integer("async_tuned_local_batch_size", None,
+                       "--mode=async_tuned: examples per worker step (default: "
+                       "--local_batch_size).")
   flags.DEFINE_integer("dts_delay", 4, "DTS: the all-reduce of step n is consumed at n + t - 1 "
                        "(1: synchronous).")
   flags.DEFINE_integer("dts_period", 4, "DTS: communicate every p-th step.")
@@ -116,7 +124,9 @@ def main(argv=None):
       dts_period=FLAGS.dts_period, dts_latency_ms=FLAGS.dts_latency_ms,
       dts_inner=FLAGS.dts_inner, bsp_aggregate=FLAGS.bsp_aggregate,
       hop_bs_bound=FLAGS.hop_bs_bound, hop_bs_timeout_s=FLAGS.hop_bs_timeout_s,
-      hop_bw_backup=FLAGS.hop_bw_backup, sparse_normalize=FLAGS.sparse_normalize)
+      hop_bw_backup=FLAGS.hop_bw_backup, sparse_normalize=FLAGS.sparse_normalize,
+      async_tuned_learning_rate=FLAGS.async_tuned_learning_rate,
+      async_tuned_local_batch_size=FLAGS.async_tuned_local_batch_size)
   try:
     config.validate()
   except ValueError as e:

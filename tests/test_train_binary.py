@@ -105,6 +105,24 @@ def test_hop_bs_holds_fast_workers_behind_a_5x_slower_one(tmp_path):
       sum(w["blocked_seconds"] for w in held["per_worker"]), abs=0.01)
 
 
+def test_async_tuned_has_its_own_optimizer_and_batch_and_inherits_a_sync_model(tmp_path):
+  """The paper's Async row: Adagrad, its own lr and local batch; from a Sync (Adam) checkpoint
+  it keeps the parameters and starts its optimizer afresh."""
+  sync = _run(tmp_path, mode="sync", steps=20)
+  summary = _run(tmp_path, mode="async_tuned", async_tuned_learning_rate=0.02,
+                 async_tuned_local_batch_size=64, steps=20)
+  assert summary["mode"] == "async_tuned" and summary["num_aggregate"] == 1
+  assert summary["local_batch_size"] == 64 and summary["examples"] == 20 * 64
+  assert summary["start_global_step"] == 0 and summary["global_step"] == 20
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  def slots(path):
+    return sum(n.startswith("model/optimizer/_variables/") for n, _ in tf.train.list_variables(path))
+
+  # Adam keeps two slots per variable, Adagrad one.
+  assert slots(sync["checkpoint"]) == 2 * slots(summary["checkpoint"]) > 0
+
+
 def test_plain_async_without_buffers(tmp_path):
   summary = _run(tmp_path, mode="async", async_staleness_stats=False)
   _check_summary(str(tmp_path / "model"), summary, "async", 1)

@@ -9,7 +9,10 @@ from tf_gba.ops import gba_ops
 
 # Parameter-server modes (GBAStrategy), then the all-reduce ones (one process per worker).
 PS_MODES = modes_lib.MODES
-MODES = PS_MODES + ("sync", "dts")
+# The paper's Async row (Table 5.1): async on the parameter servers with hyper-parameters of its
+# own (Adagrad, its own learning rate and local batch), not Sync's as plain "async" keeps them.
+ASYNC_TUNED = "async_tuned"
+MODES = PS_MODES + ("sync", "dts", ASYNC_TUNED)
 MODEL_NAMES = ("deepfm", "dcn", "youtube_dnn")
 
 
@@ -53,6 +56,9 @@ class TrainConfig:
   hop_bs_bound: int = modes_lib.DEFAULT_HOP_BS_BOUND
   hop_bs_timeout_s: Optional[float] = None
   hop_bw_backup: Optional[int] = None
+  # --mode=async_tuned: Adagrad's learning rate, and the local batch (None: --local_batch_size).
+  async_tuned_learning_rate: float = 0.007
+  async_tuned_local_batch_size: Optional[int] = None
   # --mode=dts: synchronous workers with a delayed (t) and temporally sparse (p) all-reduce.
   dts_delay: int = 4
   dts_period: int = 4
@@ -110,6 +116,12 @@ class TrainConfig:
                        f"{self.sparse_normalize!r}.")
     if self.staleness_threshold < 0:
       raise ValueError(f"--staleness_threshold must be >= 0, got {self.staleness_threshold}.")
+    if not self.async_tuned_learning_rate > 0:
+      raise ValueError(f"--async_tuned_learning_rate must be > 0, got "
+                       f"{self.async_tuned_learning_rate}.")
+    if self.async_tuned_local_batch_size is not None and self.async_tuned_local_batch_size < 1:
+      raise ValueError(f"--async_tuned_local_batch_size must be >= 1, got "
+                       f"{self.async_tuned_local_batch_size}.")
     if not self.learning_rate > 0:
       raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
     if self.global_batch_size is not None:
@@ -124,6 +136,18 @@ class TrainConfig:
     self.data_kwargs()
 
   @property
+  def strategy_mode(self) -> str:
+    """The GBAStrategy mode that runs this one (async_tuned is async with its own optimizer)."""
+    return "async" if self.mode == ASYNC_TUNED else self.mode
+
+  def resolved(self) -> "TrainConfig":
+    """This config with mode-specific settings applied (async_tuned's own local batch)."""
+    if self.mode == ASYNC_TUNED and self.async_tuned_local_batch_size:
+      return dataclasses.replace(self, local_batch_size=self.async_tuned_local_batch_size,
+                                 global_batch_size=None)
+    return self
+
+  @property
   def global_batch(self) -> int:
     """Examples per global step: GBA keeps the synchronous one (default local x workers)."""
     if self.mode in ("bsp", "hop_bs", "hop_bw"):
@@ -133,7 +157,7 @@ class TrainConfig:
   @property
   def num_aggregate(self) -> int:
     """M: local batches per global step (1 in async mode, where every push is a step)."""
-    if self.mode in ("async", "dts"):
+    if self.mode in ("async", "dts", ASYNC_TUNED):
       return 1
     if self.mode in ("gba", "sync"):
       return (self.global_batch_size or self.local_batch_size * self.num_workers

@@ -26,6 +26,7 @@ from tf_gba.distribute import LocalCluster
 from tf_gba.ops import worker_clock
 from tf_gba.optimizers import GBA
 from tf_gba.training import metrics
+from tf_gba.training import config as config_lib
 from tf_gba.training import resharding
 from tf_gba.training.config import TrainConfig
 
@@ -44,7 +45,7 @@ def _partitioner(num_ps: int):
 def make_strategy(config: TrainConfig, resolver) -> GBAStrategy:
   """The `GBAStrategy` of a parameter-server mode, as `config` (the binary's flags) describes it."""
   return GBAStrategy(resolver, variable_partitioner=_partitioner(config.num_ps),
-                     mode=config.mode,
+                     mode=config.strategy_mode,
                      num_aggregate=config.num_aggregate if config.mode == "gba" else None,
                      stragglers=config.stragglers, straggler_seed=config.straggler_seed,
                      bsp_aggregate=config.bsp_aggregate, hop_bs_bound=config.hop_bs_bound,
@@ -139,7 +140,10 @@ class _Job:
     with strategy.scope():
       self.model = models_lib.build_model(config.model, self.info,
                                           embedding_dim=config.embedding_dim, seed=config.seed)
-      inner = keras.optimizers.Adam(config.learning_rate)
+      if config.mode == config_lib.ASYNC_TUNED:
+        inner = keras.optimizers.Adagrad(config.async_tuned_learning_rate)
+      else:
+        inner = keras.optimizers.Adam(config.learning_rate)
       if config.mode == "async" and not config.async_staleness_stats:
         self.optimizer = inner
       else:
@@ -156,12 +160,26 @@ class _Job:
     if self.manager.latest_checkpoint:
       # Whatever mode and shard count wrote it (sync: every variable whole; another number of
       # parameter servers): parameters, slots, iterations, GBA tokens and row tags carry over.
-      resharding.restore_training_state(self.manager.latest_checkpoint, self.model,
-                                        self.optimizer)
+      try:
+        resharding.restore_training_state(self.manager.latest_checkpoint, self.model,
+                                          self.optimizer)
+      except resharding.CheckpointMismatchError:
+        if config.mode != config_lib.ASYNC_TUNED:
+          raise
+        # Inherited from another mode's Adam: async_tuned keeps the parameters and starts its
+        # own optimizer (Adagrad) afresh, as the paper's separately tuned Async does.
+        self._restore_weights_only(strategy, self.manager.latest_checkpoint)
       self.restored_from = self.manager.latest_checkpoint
     self.writer = tf.summary.create_file_writer(os.path.join(config.model_dir, "tensorboard"))
     self._eval_model = None
     self._eval_data = None
+
+  def _restore_weights_only(self, strategy, path):
+    """Model weights from a checkpoint written with Adam, whatever its shard layout."""
+    with strategy.scope():
+      donor = keras.optimizers.Adam()
+      donor.build(self.model.trainable_variables)
+    resharding.restore_training_state(path, self.model, donor)
 
   def dataset_fn(self, ctx: Optional[tf.distribute.InputContext]):
     """Worker i of N reads shard i of N of the training rows, as in synchronous training.
@@ -216,6 +234,7 @@ def run(config: TrainConfig) -> dict:
   if config.mode == "sync":
     from tf_gba.training import sync_job  # pylint: disable=g-import-not-at-top
     return sync_job.run_sync(config)
+  config = config.resolved()
   with _cluster(config) as (resolver, _):
     strategy = make_strategy(config, resolver)
     job = _Job(config, strategy)
