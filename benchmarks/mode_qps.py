@@ -2,6 +2,7 @@
 
   python -m benchmarks.mode_qps [--modes=sync,gba,async,bsp,hop_bs,hop_bw]
                                 [--stragglers=transient,dedicated] [--steps=1500] [--repeats=1]
+                                [--num_workers=4] [--local_batch_size=256]
                                 [--out=runs/bench_mode_qps]
 
 Each configuration is a fresh run of examples/train.py (DeepFM, synthetic data, 4 workers on
@@ -11,6 +12,11 @@ every mode alike. "async_plain" is ParameterServerStrategy's own async training 
 optimizer; "async" pushes through GBA buffers with M=1 to measure staleness. QPS is measured
 after the first log interval (start-up). The ratios are to sync and async of the same profile
 (the paper's Table 5.2 shape: GBA about as fast as async, >= 2.4x sync under stragglers).
+
+With a compute floor in the profile (`compute:<ms>`), the table also gives the parameter-server
+limit: the sum over workers of local batch / expected step time, the step time being the floor
+stretched by the worker's expected slowdown under the profile (factors multiply; a transient
+p:f has mean 1 + p (f - 1)). No mode that keeps every worker busy can go faster.
 """
 
 import argparse
@@ -19,6 +25,9 @@ import os
 import statistics
 import subprocess
 import sys
+from typing import Optional
+
+from tf_gba.distribute import stragglers as stragglers_lib
 
 # "dedicated": the transient profile on workers that each take at least 100 ms per step, as if on
 # machines of their own (`compute:<ms>` in tf_gba.distribute.stragglers). Without that floor,
@@ -29,10 +38,40 @@ PROFILES = {"none": "none", "transient": "transient:0.2:4+persistent:2@0",
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_one(mode: str, profile: str, steps: int, model_dir: str, extra) -> dict:
+def ps_limit_qps(profile: str, num_workers: int, local_batch_size: int) -> Optional[float]:
+  """Sum of the workers' expected rates (examples/s) under `profile`; None without a floor.
+
+  From the profile alone: worker w's expected step time is floor x E[slowdown of w], with
+  E[slowdown] the product of its persistent factors and of 1 + p (f - 1) for each transient p:f
+  (independent draws). A trace profile has no fixed expectation: None.
+  """
+  canonical = stragglers_lib.parse(PROFILES.get(profile, profile))
+  floor_s, factors = None, [1.0] * num_workers
+  for part in canonical.split("+"):
+    kind, *fields = part.split(";")
+    if kind == "compute":
+      floor_s = float(fields[0]) / 1000.0
+    elif kind == "transient":
+      p, f = float(fields[0]), float(fields[1])
+      factors = [x * (1.0 + p * (f - 1.0)) for x in factors]
+    elif kind == "persistent":
+      for entry in fields[0].split(","):
+        w, f = entry.split("=")
+        if int(w) < num_workers:
+          factors[int(w)] *= float(f)
+    elif kind == "trace":
+      return None
+  if floor_s is None:
+    return None
+  return sum(local_batch_size / (floor_s * x) for x in factors)
+
+
+def run_one(mode: str, profile: str, steps: int, model_dir: str, extra, num_workers: int = 4,
+            local_batch_size: int = 256) -> dict:
   flags = [f"--mode={'async' if mode.startswith('async') else mode}",
            f"--stragglers={PROFILES.get(profile, profile)}", f"--steps={steps}",
-           "--log_every=250", f"--model_dir={model_dir}", "--num_ps=1", "--num_workers=4",
+           "--log_every=250", f"--model_dir={model_dir}", "--num_ps=1",
+           f"--num_workers={num_workers}", f"--local_batch_size={local_batch_size}",
            "--eval_examples=4096"]
   if mode == "async_plain":
     flags.append("--noasync_staleness_stats")
@@ -51,6 +90,8 @@ def main(argv=None):
                  help=f"comma-separated; names {sorted(PROFILES)} or a profile string")
   p.add_argument("--steps", type=int, default=1500)
   p.add_argument("--repeats", type=int, default=1)
+  p.add_argument("--num_workers", type=int, default=4)
+  p.add_argument("--local_batch_size", type=int, default=256)
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_mode_qps"))
   args, extra = p.parse_known_args(argv)
   modes = args.modes.split(",")
@@ -61,16 +102,20 @@ def main(argv=None):
       for mode in modes:
         model_dir = os.path.join(args.out, f"{mode}_{profile.replace(':', '_')}_{rep}")
         subprocess.run(["rm", "-rf", model_dir], check=True)
-        summary = run_one(mode, profile, args.steps, model_dir, extra)
+        summary = run_one(mode, profile, args.steps, model_dir, extra, args.num_workers,
+                          args.local_batch_size)
         results[(mode, profile)].append(summary)
         print(f"  {mode:12s} {profile:10s} rep {rep}: QPS {summary['global_qps']:,.0f}  "
               f"AUC {summary['eval_auc']:.4f}  staleness {summary['mean_staleness']:.2f}",
               flush=True)
   table = []
-  print("\n| stragglers | mode | global QPS (mean over repeats) | vs sync | vs async | "
-        "per-worker QPS | mean / max staleness | dropped batches | blocked s (hop_bs) | "
-        "eval AUC |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  load = os.getloadavg()
+  print(f"\n{args.num_workers} workers, local batch {args.local_batch_size}; load average "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
+  print("\n| stragglers | mode | global QPS (mean over repeats) | PS limit | vs limit | vs sync | "
+        "vs async | vs gba | per-worker QPS | mean / max staleness | dropped batches | "
+        "blocked s (hop_bs, hop_bw) | eval AUC |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
   def mean_qps(mode, profile):
     runs = results.get((mode, profile))
@@ -78,6 +123,8 @@ def main(argv=None):
 
   for profile in profiles:
     sync, async_ = mean_qps("sync", profile), mean_qps("async", profile)
+    gba = mean_qps("gba", profile)
+    limit = ps_limit_qps(profile, args.num_workers, args.local_batch_size)
     for mode in modes:
       runs = results[(mode, profile)]
       qps = statistics.mean(s["global_qps"] for s in runs)
@@ -89,11 +136,15 @@ def main(argv=None):
              "dropped_batches": last["dropped_batches"],
              "blocked_seconds": last.get("blocked_seconds", 0.0),
              "eval_auc": last["eval_auc"],
-             "vs_sync": qps / sync if sync else None, "vs_async": qps / async_ if async_ else None}
+             "vs_sync": qps / sync if sync else None, "vs_async": qps / async_ if async_ else None,
+             "vs_gba": qps / gba if gba else None, "ps_limit_qps": limit,
+             "vs_limit": qps / limit if limit else None, "num_workers": args.num_workers,
+             "load_average": list(load)}
       table.append(row)
       ratio = lambda r: f"{r:.2f}" if r else "-"  # pylint: disable=unnecessary-lambda-assignment
-      print(f"| {profile} | {mode} | {qps:,.0f} | {ratio(row['vs_sync'])} | "
-            f"{ratio(row['vs_async'])} | "
+      print(f"| {profile} | {mode} | {qps:,.0f} | {f'{limit:,.0f}' if limit else '-'} | "
+            f"{ratio(row['vs_limit'])} | {ratio(row['vs_sync'])} | "
+            f"{ratio(row['vs_async'])} | {ratio(row['vs_gba'])} | "
             f"{' '.join(f'{q:,.0f}' for q in row['per_worker_qps'])} | "
             f"{row['mean_staleness']:.2f} / {row['max_staleness']} | {row['dropped_batches']} | "
             f"{row['blocked_seconds']:.1f} | {row['eval_auc']:.4f} |")
