@@ -232,6 +232,58 @@ def test_bad_paths_and_options(tmp_path):
   with pytest.raises(ValueError, match="No Criteo files"):
     data.make_dataset("criteo:" + str(tmp_path))  # an empty directory
   with pytest.raises(ValueError, match="takes no option"):
-    data.make_dataset("criteo:" + str(tmp_path), num_days=3)
+    data.make_dataset("criteo:" + str(tmp_path), drift=0.1)
   with pytest.raises(ValueError, match="day must be"):
     data.make_dataset("criteo:" + _sample_dir(), day=1)
+
+
+def _numbered_file(tmp_path, n):
+  """A Criteo file whose row r has I1 = r (read back as log1p(r)), to follow rows by number."""
+  path = tmp_path / "rows.tsv"
+  with open(path, "w") as f:
+    for r in range(n):
+      f.write("\t".join([str(r % 2), str(r)] + ["1"] * 12 + ["0000abcd"] * 26) + "\n")
+  return str(path)
+
+
+def _row_numbers(ds):
+  if not any(int(y.shape[0]) for _, y in ds):
+    return []
+  features, _ = _collect(ds)
+  return sorted(np.rint(np.expm1(features["I1"])).astype(int).tolist())
+
+
+def test_pseudo_days_cut_the_rows_in_order(tmp_path):
+  # 23 rows, 3 days: rows [0, 7), [7, 15), [15, 23); every 10th row (9, 19) is an eval row.
+  path = _numbered_file(tmp_path, 23)
+  spec = "criteo:" + path
+  assert data.data_info(spec, num_days=3).num_days == 3
+  days = {(split, d): _row_numbers(data.make_dataset(spec, split, batch_size=5, day=d,
+                                                     num_days=3, shuffle_seed=None))
+          for split in ("train", "eval") for d in range(3)}
+  bounds = [(0, 7), (7, 15), (15, 23)]
+  for d, (lo, hi) in enumerate(bounds):
+    assert days[("train", d)] == [r for r in range(lo, hi) if r % 10 != 9]
+    assert days[("eval", d)] == [r for r in range(lo, hi) if r % 10 == 9]
+  # Sharded: the two shards of a day partition it.
+  shards = [_row_numbers(data.make_dataset(spec, "train", batch_size=5, day=1, num_days=3,
+                                           num_shards=2, shard_index=i, shuffle_seed=None))
+            for i in range(2)]
+  assert sorted(shards[0] + shards[1]) == days[("train", 1)] and shards[0] and shards[1]
+
+
+def test_pseudo_days_of_the_sample_split_train_and_eval_files():
+  spec = "criteo:" + _sample_dir()
+  train = [len(_collect(data.make_dataset(spec, "train", batch_size=4096, day=d, num_days=4,
+                                          shuffle_seed=None))[1]) for d in range(4)]
+  evals = [len(_collect(data.make_dataset(spec, "eval", batch_size=4096, day=d, num_days=4,
+                                          shuffle_seed=None))[1]) for d in range(4)]
+  assert train == [2000] * 4 and evals == [500] * 4
+
+
+def test_bad_num_days_and_day():
+  spec = "criteo:" + _sample_dir()
+  with pytest.raises(ValueError, match="num_days must be an integer >= 1"):
+    data.data_info(spec, num_days=0)
+  with pytest.raises(ValueError, match="day must be None"):
+    data.make_dataset(spec, "train", day=3, num_days=3)

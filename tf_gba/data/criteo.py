@@ -34,6 +34,7 @@ Example:
 """
 
 import glob
+import gzip
 import os
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -116,11 +117,38 @@ def _vocab_sizes(vocab_size: Union[int, Mapping[str, int]]) -> Dict[str, int]:
   return sizes
 
 
+def _check_num_days(num_days: int) -> None:
+  if not isinstance(num_days, int) or num_days < 1:
+    raise ValueError(f"num_days must be an integer >= 1, got {num_days!r}.")
+
+
+_LINE_COUNTS: Dict[Tuple[str, float, int], int] = {}
+
+
+def _count_lines(files: Sequence[str]) -> int:
+  """Lines of `files` (gzip or plain), as TextLineDataset reads them; cached per file version."""
+  total = 0
+  for f in files:
+    key = (f, os.path.getmtime(f), os.path.getsize(f))
+    if key not in _LINE_COUNTS:
+      opener = gzip.open if f.endswith(".gz") else open
+      with opener(f, "rb") as fh:
+        _LINE_COUNTS[key] = sum(1 for _ in fh)
+    total += _LINE_COUNTS[key]
+  return total
+
+
 def data_info(path: str, vocab_size: Union[int, Mapping[str, int]] = DEFAULT_VOCAB_SIZE,
-              eval_every: int = 10) -> DataInfo:
-  """Schema of the Criteo features; checks that `path` names files. Criteo has one day."""
+              eval_every: int = 10, num_days: int = 1) -> DataInfo:
+  """Schema of the Criteo features; checks that `path` names files.
+
+  Criteo files carry no timestamps; `num_days` > 1 cuts them into that many pseudo-days of
+  consecutive rows, in file order (the Kaggle file is in time order), for the next-day protocol.
+  """
+  _check_num_days(num_days)
   resolve_files(path, "train", eval_every)
-  return DataInfo(categorical=_vocab_sizes(vocab_size), numeric=NUMERIC_NAMES, num_days=1)
+  return DataInfo(categorical=_vocab_sizes(vocab_size), numeric=NUMERIC_NAMES,
+                  num_days=num_days)
 
 
 class _Rows(NamedTuple):
@@ -131,7 +159,8 @@ class _Rows(NamedTuple):
 
 
 def _selected_rows(files: Sequence[str], split: str, split_rows: bool, eval_every: int,
-                   num_shards: int, shard_index: int) -> tf.data.Dataset:
+                   num_shards: int, shard_index: int,
+                   row_range: Optional[Tuple[int, int]] = None) -> tf.data.Dataset:
   """Blocks of the lines of `files` that belong to `split` and to shard `shard_index`.
 
   Everything works on blocks of lines rather than single lines: a tf.data step costs microseconds
@@ -158,6 +187,8 @@ def _selected_rows(files: Sequence[str], split: str, split_rows: bool, eval_ever
       keep = is_eval if split == "eval" else tf.logical_not(is_eval)
     else:
       j, keep = g, tf.ones_like(g, tf.bool)
+    if row_range is not None:  # a pseudo-day: rows [lo, hi) of the files, in order
+      keep = tf.logical_and(keep, tf.logical_and(g >= row_range[0], g < row_range[1]))
     keep = tf.logical_and(keep, j % num_shards == tf.cast(shard_index, tf.int64))
     selected = _Rows(rows.file, tf.boolean_mask(rows.number, keep),
                      tf.boolean_mask(rows.text, keep))
@@ -256,7 +287,8 @@ def make_dataset(path: str, split: str = "train", batch_size: int = 256, num_sha
                  shard_index: int = 0, day: Optional[int] = None, repeat: bool = False,
                  shuffle_seed: Optional[int] = 0, strict: bool = False,
                  vocab_size: Union[int, Mapping[str, int]] = DEFAULT_VOCAB_SIZE,
-                 eval_every: int = 10, shuffle_buffer: int = 10_000) -> tf.data.Dataset:
+                 eval_every: int = 10, shuffle_buffer: int = 10_000,
+                 num_days: int = 1) -> tf.data.Dataset:
   """Reads Criteo rows as `(features, label)` batches.
 
   Args:
@@ -266,7 +298,7 @@ def make_dataset(path: str, split: str = "train", batch_size: int = 256, num_sha
     num_shards, shard_index: this worker reads rows `shard_index, shard_index + num_shards, ...`
       of the split, so the shards partition it. Every worker decompresses every file: with few
       large files (Kaggle's one), sharding by file would leave workers idle.
-    day: Criteo files carry no timestamps, so there is one day; None or 0.
+    day: None (every row) or a pseudo-day in [0, num_days).
     repeat: repeat forever (the shuffle order changes in each epoch).
     shuffle_seed: shuffle train rows through a `shuffle_buffer`-row buffer; None: keep file order.
       Eval rows are never shuffled.
@@ -275,15 +307,24 @@ def make_dataset(path: str, split: str = "train", batch_size: int = 256, num_sha
       names get DEFAULT_VOCAB_SIZE), including id 0 for missing values.
     eval_every: when the split is taken from rows, every `eval_every`-th row is an eval row.
     shuffle_buffer: rows in the shuffle buffer.
+    num_days: pseudo-days: the rows of the files read for `split` (train and eval files; or all
+      rows, before every `eval_every`-th is taken to eval) cut into `num_days` runs of
+      consecutive rows; day d is rows [d * n // num_days, (d + 1) * n // num_days). Counting n
+      costs one pass over the files (cached).
   """
   pipeline.check_common_args(split, batch_size, num_shards, shard_index)
-  pipeline.check_day(day, 1)
+  _check_num_days(num_days)
+  pipeline.check_day(day, num_days)
   sizes = _vocab_sizes(vocab_size)
   files, split_rows = resolve_files(path, split, eval_every)
   logging.info("Criteo %s split: %d file(s) %s%s", split, len(files), files[:3],
                f", every {eval_every}th row to eval" if split_rows else "")
 
-  ds = _selected_rows(files, split, split_rows, eval_every, num_shards, shard_index)
+  row_range = None
+  if day is not None and num_days > 1:
+    n = _count_lines(files)
+    row_range = (day * n // num_days, (day + 1) * n // num_days)
+  ds = _selected_rows(files, split, split_rows, eval_every, num_shards, shard_index, row_range)
   ds = ds.scan(tf.constant(0, tf.int64), _check_and_report(strict)).unbatch()
   if split == "train" and shuffle_seed is not None:
     ds = ds.shuffle(shuffle_buffer, seed=shuffle_seed, reshuffle_each_iteration=True)
