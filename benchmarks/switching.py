@@ -5,12 +5,14 @@
                                  [--stragglers=transient] [--base_days=1] [--steps_per_day=auto]
                                  [--out=runs/bench_switching]
   python -m benchmarks.switching --data=movielens100k:/path/to/ml-100k --days=4 --seeds=2
-  python -m benchmarks.switching --data=criteo:/path/to/train.tsv.gz --seeds=1   # one day: smoke
+  python -m benchmarks.switching --data=criteo:/path/to/criteo_sample --days=4   # pseudo-days
+  python -m benchmarks.switching --sweep --num_workers=8 --stragglers=dedicated
 
 Protocol (SPEC section 1, "Switching" and "What the paper measures"):
 
-* The data is split into `--days` consecutive days (`num_days` of the synthetic and MovieLens
-  sources; MovieLens is split by time). Day `d`'s model is evaluated on day `d + 1`: every example
+* The data is split into `--days` consecutive days (`num_days` of the synthetic, MovieLens and
+  Criteo sources; MovieLens is split by time, Criteo into pseudo-days of consecutive rows in file
+  order). Day `d`'s model is evaluated on day `d + 1`: every example
   of it, its train rows and then its eval rows (the next day is never trained on before that).
 * Direction "sync -> mode" (the paper's Table 6.4): a base model is trained with `sync` on days
   `0 .. base_days - 1`; from its checkpoint, each mode trains day by day on days
@@ -33,9 +35,16 @@ Staleness and drops (Table 5.3) are the dense buffer's counters over the same ru
 weighted by pushes, the max, and the number of dropped batches (Hop-BW: gradients of an older
 version it ignored).
 
-A source with a single day (Criteo files carry no timestamps) cannot follow the next-day protocol:
-the base and the switched run then both train on day 0 (two passes) and the switched run is
-evaluated on day 0's held-out eval split. The output says so; use it as a smoke run.
+A source with a single day cannot follow the next-day protocol: the base and the switched run
+then both train on day 0 (two passes) and the switched run is evaluated on day 0's held-out eval
+split. The output says so; use it as a smoke run.
+
+`--sweep` runs each baseline at every setting of its own parameter (the paper "enumerates the
+specialized hyper-parameters of each training mode and records ... its best AUC"): Hop-BS
+b1 in {1, 2, 4}, BSP b2 in {N/8, N/4, N/2}, Hop-BW b3 in {1, N/8, N/4} (rounded, at least 1,
+repeats dropped). A setting is a mode of its own in every table, named e.g. `bsp@2`; the sweep
+table reports each baseline at its best average AUC and lists the others. A setting can also be
+given directly in `--modes` (e.g. `--modes=sync,gba,bsp@2`).
 
 Writes `results.md`, `results.json`, `auc_per_day.png`, `qps.png` and `staleness_histogram.png`
 to `--out`, and the runs themselves (checkpoints, summaries, logs) under `--out/runs`. Exits with
@@ -67,8 +76,12 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL_MODES = ("sync", "gba", "async", "bsp", "hop_bs", "hop_bw")
+# Accepted in --modes besides ALL_MODES (not run by default): the paper's separately tuned Async.
+EXTRA_MODES = ("async_tuned",)
+# Each baseline's own parameter (a TrainConfig field), swept by --sweep.
+SWEPT = {"hop_bs": "hop_bs_bound", "bsp": "bsp_aggregate", "hop_bw": "hop_bw_backup"}
 # Sources whose examples carry a day (a `num_days` option); the others have one day.
-DAY_SOURCES = ("synthetic", "movielens100k")
+DAY_SOURCES = ("synthetic", "movielens100k", "criteo")
 # The synthetic default: small days so that the plain command finishes in about half an hour on
 # two CPU cores, with the library's drift of the planted truth from one day to the next.
 SYNTHETIC_OPTIONS = "num_examples=32768,drift=0.1"
@@ -159,9 +172,64 @@ def make_protocol(args: argparse.Namespace) -> Protocol:
                   eval_examples=eval_examples, steps_per_day=steps)
 
 
+def split_setting(name: str) -> Tuple[str, Optional[int]]:
+  """"bsp@2" -> ("bsp", 2); "gba" -> ("gba", None)."""
+  mode, sep, value = name.partition("@")
+  if not sep:
+    return mode, None
+  if mode not in SWEPT or not value.isdigit():
+    raise ValueError(f"{name!r}: a setting is <mode>@<integer> for a mode in {sorted(SWEPT)}.")
+  return mode, int(value)
+
+
+def sweep_grid(num_workers: int) -> Dict[str, List[int]]:
+  """The settings --sweep runs: b1, b2 and b3 over the paper-style grid for N workers."""
+  n = num_workers
+  frac = lambda x: max(1, round(x))  # pylint: disable=unnecessary-lambda-assignment
+  grid = {"hop_bs": [1, 2, 4], "bsp": [frac(n / 8), frac(n / 4), frac(n / 2)],
+          "hop_bw": [1, frac(n / 8), frac(n / 4)]}
+  # Hop-BW needs N - b3 >= 1 gradients per step.
+  grid["hop_bw"] = [b for b in grid["hop_bw"] if b < n]
+  return {mode: sorted(set(values)) for mode, values in grid.items()}
+
+
+def expand_modes(modes: Sequence[str], sweep: bool, num_workers: int) -> List[str]:
+  """The modes to run: with `sweep`, each swept baseline becomes one mode per setting."""
+  grid = sweep_grid(num_workers)
+  out = []
+  for mode in modes:
+    if sweep and mode in grid:
+      out += [f"{mode}@{v}" for v in grid[mode]]
+    else:
+      out.append(mode)
+  return out
+
+
+def best_settings(rows: List[dict]) -> List[dict]:
+  """Per swept baseline, its settings by mean average AUC, best first (rows: an auc_table)."""
+  out = []
+  for mode in SWEPT:
+    settings = [r for r in rows if split_setting(r["mode"])[0] == mode
+                and r["average_auc"]["mean"] is not None]
+    if not settings:
+      continue
+    ranked = sorted(settings, key=lambda r: -r["average_auc"]["mean"])
+    out.append({"baseline": mode, "parameter": SWEPT[mode], "best": ranked[0]["mode"],
+                "settings": [{"mode": r["mode"], "average_auc": r["average_auc"],
+                              "delta_vs_gba": (r["delta_vs_gba"] or {}).get("average"),
+                              "delta_vs_sync": (r["delta_vs_sync"] or {}).get("average")}
+                             for r in ranked]})
+  return out
+
+
 def run_config(args: argparse.Namespace, protocol: Protocol, mode: str, seed: int, day: int,
                eval_day: Optional[int], model_dir: str) -> dict:
-  """The TrainConfig (as a dict) of one run: the same hyper-parameters in every mode."""
+  """The TrainConfig (as a dict) of one run: the same hyper-parameters in every mode.
+
+  `mode` may name a baseline's setting ("bsp@2"): the mode with that parameter.
+  """
+  mode, setting = split_setting(mode)
+  extra = {SWEPT[mode]: setting} if setting is not None else {}
   steps = protocol.steps_per_day
   # Logging intervals: worker steps in the parameter-server modes, global steps in sync.
   log_every = steps // INTERVALS // (args.num_workers if mode == "sync" else 1)
@@ -171,7 +239,7 @@ def run_config(args: argparse.Namespace, protocol: Protocol, mode: str, seed: in
       learning_rate=args.learning_rate, staleness_threshold=args.staleness_threshold,
       stragglers=PROFILES.get(args.stragglers, args.stragglers), straggler_seed=seed, seed=seed,
       steps=steps, log_every=log_every, eval_examples=protocol.eval_examples, day=day,
-      eval_day=eval_day if protocol.next_day else None, model_dir=model_dir)
+      eval_day=eval_day if protocol.next_day else None, model_dir=model_dir, **extra)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -443,9 +511,11 @@ def build_tables(records: List[dict], modes: Sequence[str], seeds: Sequence[int]
     # The row a run belongs to: the switched mode ("to_sync": the base's mode).
     r["row"] = r["base_mode"] if r["direction"] == "to_sync" else r["mode"]
   n = len(protocol.train_days)
-  return {"auc": {d: auc_table(records, d, modes, seeds, n) for d in DIRECTIONS},
+  auc = {d: auc_table(records, d, modes, seeds, n) for d in DIRECTIONS}
+  return {"auc": auc,
           "qps": qps_table(records, modes, seeds, n),
-          "staleness": staleness_table(records, modes, seeds, n)}
+          "staleness": staleness_table(records, modes, seeds, n),
+          "sweep": {d: best_settings(auc[d]) for d in DIRECTIONS}}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -530,6 +600,22 @@ def markdown(results: dict) -> str:
             "the gradients of an older version it ignored.", ""]
   lines += _table(["mode", "seeds", "mean staleness", "max staleness", "dropped batches",
                    "dropped / pushes", "pushes"], rows) + [""]
+  sweep = results["tables"].get("sweep", {})
+  if any(sweep.get(d) for d in DIRECTIONS):
+    lines += ["## Each baseline at its best setting (sweep)", "",
+              "Best average AUC of each baseline's settings, per direction; the others follow, "
+              "best first (Δ: paired mean over seeds).", ""]
+    rows = []
+    for direction in DIRECTIONS:
+      for entry in sweep.get(direction, []):
+        best, *others = entry["settings"]
+        rows.append([direction, entry["baseline"], f"{entry['parameter']} = "
+                     f"{split_setting(best['mode'])[1]}", fmt(best["average_auc"]),
+                     fmt(best["delta_vs_gba"], signed=True),
+                     fmt(best["delta_vs_sync"], signed=True),
+                     "; ".join(f"{o['mode']}: {fmt(o['average_auc'])}" for o in others) or "-"])
+    lines += _table(["direction", "baseline", "best setting", "average AUC", "Δ vs GBA",
+                     "Δ vs sync", "other settings (average AUC)"], rows) + [""]
   failed = [r for r in results["runs"] if r["status"] == "failed"]
   if failed:
     lines += ["## Failed runs", ""]
@@ -618,7 +704,7 @@ def plot_staleness(results: dict, path: str) -> None:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--data", default="synthetic",
-                 help="'synthetic', 'movielens100k:<dir>' or 'criteo:<file>' (one day: smoke)")
+                 help="'synthetic', 'movielens100k:<dir>' or 'criteo:<file or dir>' (pseudo-days)")
   p.add_argument("--data_options", default=None,
                  help=f"options of the source, key=value,... (synthetic default "
                       f"{SYNTHETIC_OPTIONS!r}); num_days comes from --days")
@@ -641,17 +727,26 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--learning_rate", type=float, default=0.003)
   p.add_argument("--staleness_threshold", type=int, default=3)
   p.add_argument("--run_timeout", type=float, default=1800.0, help="seconds per run")
+  p.add_argument("--sweep", action="store_true",
+                 help="run bsp, hop_bs and hop_bw at every setting of b2, b1, b3 (see above) and "
+                      "report each at its best average AUC")
   p.add_argument("--resume", action="store_true",
                  help="keep the runs already finished under --out with the same configuration "
                       "(e.g. after an interruption or a failed run) and run only the others")
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_switching"))
   args = p.parse_args(argv)
   args.modes_list = [m.strip() for m in args.modes.split(",") if m.strip()]
-  unknown = sorted(set(args.modes_list) - set(ALL_MODES))
+  try:
+    unknown = sorted({split_setting(m)[0] for m in args.modes_list} -
+                     set(ALL_MODES + EXTRA_MODES))
+  except ValueError as e:
+    p.error(f"--modes: {e}")
   if unknown or not args.modes_list:
-    p.error(f"--modes: expected some of {ALL_MODES}, got {args.modes!r}")
+    p.error(f"--modes: expected some of {ALL_MODES + EXTRA_MODES} (or <mode>@<setting>), got "
+            f"{args.modes!r}")
   if args.seeds < 1 or args.base_days < 1 or args.num_workers < 2:
     p.error("need --seeds >= 1, --base_days >= 1 and --num_workers >= 2")
+  args.modes_list = expand_modes(args.modes_list, args.sweep, args.num_workers)
   args.out = os.path.abspath(args.out)
   return args
 

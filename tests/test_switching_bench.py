@@ -224,3 +224,61 @@ def test_tables_over_seeds_and_days_match_numpy():
   row = next(l for l in md.splitlines() if l.startswith("| gba |"))
   gba = {r["mode"]: r for r in tables["auc"]["from_sync"]}["gba"]["average_auc"]
   assert f"{gba['mean']:.4f} ± {gba['std']:.4f}" in row
+
+
+def test_sweep_grid_and_settings_as_modes():
+  assert switching.sweep_grid(8) == {"hop_bs": [1, 2, 4], "bsp": [1, 2, 4], "hop_bw": [1, 2]}
+  # N = 4: N/8 rounds to 0 -> 1; repeats dropped.
+  assert switching.sweep_grid(4) == {"hop_bs": [1, 2, 4], "bsp": [1, 2], "hop_bw": [1]}
+  args = switching.parse_args(["--sweep", "--num_workers=8",
+                               "--modes=sync,gba,bsp,hop_bs,hop_bw,async_tuned"])
+  assert args.modes_list == ["sync", "gba", "bsp@1", "bsp@2", "bsp@4", "hop_bs@1", "hop_bs@2",
+                             "hop_bs@4", "hop_bw@1", "hop_bw@2", "async_tuned"]
+  assert switching.parse_args(["--modes=sync,bsp@3"]).modes_list == ["sync", "bsp@3"]
+  with pytest.raises(SystemExit):
+    switching.parse_args(["--modes=gba@2"])
+  protocol = switching.Protocol(data_options="num_days=3", num_days=3, base_days=[0],
+                                train_days=[1], eval_days=[2], next_day=True, train_rows=100,
+                                eval_examples=100, steps_per_day=32)
+  from tf_gba.training import TrainConfig  # pylint: disable=g-import-not-at-top
+  for name, field, value in (("bsp@4", "bsp_aggregate", 4), ("hop_bs@1", "hop_bs_bound", 1),
+                             ("hop_bw@2", "hop_bw_backup", 2)):
+    config = switching.run_config(args, protocol, name, 0, 1, 2, "/tmp/x")
+    assert config["mode"] == name.split("@")[0] and config[field] == value
+    TrainConfig(**config).validate()
+
+
+def test_sweep_reports_each_baseline_at_its_best_average_auc():
+  modes, seeds, days = ["sync", "gba", "bsp@1", "bsp@2", "hop_bw@1", "hop_bw@2"], [0, 1], [1, 2]
+  protocol = switching.Protocol(data_options="", num_days=4, base_days=[0], train_days=days,
+                                eval_days=[2, 3], next_day=True, train_rows=100,
+                                eval_examples=100, steps_per_day=16)
+  # Average AUC by mode (the same in every seed, day and direction, plus a small seed offset).
+  level = {"sync": 0.75, "gba": 0.74, "bsp@1": 0.70, "bsp@2": 0.72, "hop_bw@1": 0.73,
+           "hop_bw@2": 0.71}
+  records = []
+  for direction in DIRECTIONS:
+    for mode in modes:
+      for seed in seeds:
+        for day in days:
+          records.append({
+              "direction": direction, "mode": "sync" if direction == "to_sync" else mode,
+              "base_mode": mode if direction == "to_sync" else "sync", "seed": seed, "day": day,
+              "status": "ok", "eval_auc": level[mode] + 0.001 * seed, "eval_logloss": 0.5,
+              "global_qps": 1000.0, "pushes": 16, "mean_staleness": 0.0, "max_staleness": 0,
+              "dropped_batches": 0, "staleness_histogram": []})
+  tables = switching.build_tables(records, modes, seeds, protocol)
+  for direction in DIRECTIONS:
+    sweep = {e["baseline"]: e for e in tables["sweep"][direction]}
+    assert set(sweep) == {"bsp", "hop_bw"}
+    assert sweep["bsp"]["best"] == "bsp@2" and sweep["hop_bw"]["best"] == "hop_bw@1"
+    assert [s["mode"] for s in sweep["bsp"]["settings"]] == ["bsp@2", "bsp@1"]
+    best = sweep["hop_bw"]["settings"][0]
+    assert best["average_auc"]["mean"] == pytest.approx(0.7305, abs=1e-12)
+    assert best["delta_vs_gba"]["mean"] == pytest.approx(0.73 - 0.74, abs=1e-12)
+  md = switching.markdown({"args": vars(switching.parse_args([])), "protocol":
+                           dataclasses.asdict(protocol), "stragglers": "none", "seeds": seeds,
+                           "tables": tables, "runs": records, "wall_seconds": 1.0})
+  section = md.split("## Each baseline at its best setting (sweep)")[1]
+  row = next(l for l in section.splitlines() if l.startswith("| from_sync | bsp |"))
+  assert "bsp_aggregate = 2" in row and "bsp@1: 0.7005" in row
