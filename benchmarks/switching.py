@@ -39,6 +39,13 @@ A source with a single day cannot follow the next-day protocol: the base and the
 then both train on day 0 (two passes) and the switched run is evaluated on day 0's held-out eval
 split. The output says so; use it as a smoke run.
 
+`--gba_local_batch_size` (Ba) changes the cluster's shape for GBA as the paper does (Table 5.1):
+Sync runs N workers x local batch B, GBA runs Na = M = N x B / Ba workers x Ba (or
+`--gba_num_workers`), keeping Sync's global batch, learning rate and optimizer; the checkpoint
+moves across the switch whatever the shapes. GBA's runs then take N x B / Ba times as many worker
+steps per day (rounded up to whole logging intervals), so every run of a day still sees about the
+same number of examples.
+
 `--sweep` runs each baseline at every setting of its own parameter (the paper "enumerates the
 specialized hyper-parameters of each training mode and records ... its best AUC"): Hop-BS
 b1 in {1, 2, 4}, BSP b2 in {N/8, N/4, N/2}, Hop-BW b3 in {1, N/8, N/4} (rounded, at least 1,
@@ -231,11 +238,19 @@ def run_config(args: argparse.Namespace, protocol: Protocol, mode: str, seed: in
   mode, setting = split_setting(mode)
   extra = {SWEPT[mode]: setting} if setting is not None else {}
   steps = protocol.steps_per_day
+  num_workers, local_batch = args.num_workers, args.local_batch_size
+  if mode == "gba" and getattr(args, "gba_local_batch_size", None):
+    # The paper's shape for GBA: Sync's global batch G = N x B over M = G / Ba local batches.
+    global_batch = args.num_workers * args.local_batch_size
+    local_batch = args.gba_local_batch_size
+    num_workers = args.gba_num_workers or global_batch // local_batch
+    extra["global_batch_size"] = global_batch
+    steps = INTERVALS * math.ceil(steps * args.local_batch_size / (local_batch * INTERVALS))
   # Logging intervals: worker steps in the parameter-server modes, global steps in sync.
-  log_every = steps // INTERVALS // (args.num_workers if mode == "sync" else 1)
+  log_every = steps // INTERVALS // (num_workers if mode == "sync" else 1)
   return dict(
       mode=mode, model=args.model, data=args.data, data_options=protocol.data_options,
-      num_ps=1, num_workers=args.num_workers, local_batch_size=args.local_batch_size,
+      num_ps=1, num_workers=num_workers, local_batch_size=local_batch,
       learning_rate=args.learning_rate, staleness_threshold=args.staleness_threshold,
       stragglers=PROFILES.get(args.stragglers, args.stragglers), straggler_seed=seed, seed=seed,
       steps=steps, log_every=log_every, eval_examples=protocol.eval_examples, day=day,
@@ -727,6 +742,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--learning_rate", type=float, default=0.003)
   p.add_argument("--staleness_threshold", type=int, default=3)
   p.add_argument("--run_timeout", type=float, default=1800.0, help="seconds per run")
+  p.add_argument("--gba_local_batch_size", type=int, default=None,
+                 help="GBA's local batch Ba (default: --local_batch_size): GBA then runs "
+                      "M = num_workers x local_batch_size / Ba workers, keeping Sync's global "
+                      "batch")
+  p.add_argument("--gba_num_workers", type=int, default=None,
+                 help="GBA's workers with --gba_local_batch_size (default: M)")
   p.add_argument("--sweep", action="store_true",
                  help="run bsp, hop_bs and hop_bw at every setting of b2, b1, b3 (see above) and "
                       "report each at its best average AUC")
@@ -747,6 +768,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   if args.seeds < 1 or args.base_days < 1 or args.num_workers < 2:
     p.error("need --seeds >= 1, --base_days >= 1 and --num_workers >= 2")
   args.modes_list = expand_modes(args.modes_list, args.sweep, args.num_workers)
+  if args.gba_local_batch_size is not None:
+    global_batch = args.num_workers * args.local_batch_size
+    if args.gba_local_batch_size < 1 or global_batch % args.gba_local_batch_size:
+      p.error(f"--gba_local_batch_size={args.gba_local_batch_size} must divide Sync's global "
+              f"batch num_workers x local_batch_size = {global_batch}.")
+  if args.gba_num_workers is not None and (args.gba_local_batch_size is None or
+                                           args.gba_num_workers < 1):
+    p.error("--gba_num_workers needs --gba_local_batch_size and must be >= 1.")
   args.out = os.path.abspath(args.out)
   return args
 

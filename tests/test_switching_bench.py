@@ -282,3 +282,23 @@ def test_sweep_reports_each_baseline_at_its_best_average_auc():
   section = md.split("## Each baseline at its best setting (sweep)")[1]
   row = next(l for l in section.splitlines() if l.startswith("| from_sync | bsp |"))
   assert "bsp_aggregate = 2" in row and "bsp@1: 0.7005" in row
+
+
+def test_gba_on_its_own_cluster_shape():
+  """Sync 4 workers x 256 (G = 1024); GBA with Ba = 128: M = 8 workers, twice the steps."""
+  args = switching.parse_args(["--num_workers=4", "--local_batch_size=256",
+                               "--gba_local_batch_size=128", "--modes=sync,gba,bsp"])
+  protocol = switching.Protocol(data_options="num_days=3", num_days=3, base_days=[0],
+                                train_days=[1], eval_days=[2], next_day=True, train_rows=100,
+                                eval_examples=100, steps_per_day=32)
+  from tf_gba.training import TrainConfig  # pylint: disable=g-import-not-at-top
+  gba = switching.run_config(args, protocol, "gba", 0, 1, 2, "/tmp/x")
+  assert (gba["num_workers"], gba["local_batch_size"], gba["global_batch_size"]) == (8, 128, 1024)
+  assert gba["steps"] == 64 and gba["log_every"] == 16
+  assert TrainConfig(**gba).num_aggregate == 8
+  for mode in ("sync", "bsp"):
+    other = switching.run_config(args, protocol, mode, 0, 1, 2, "/tmp/x")
+    assert (other["num_workers"], other["local_batch_size"], other["steps"]) == (4, 256, 32)
+  with pytest.raises(SystemExit):
+    switching.parse_args(["--num_workers=4", "--local_batch_size=256",
+                          "--gba_local_batch_size=300"])

@@ -137,6 +137,17 @@ def test_dts_mode_trains_on_local_workers(tmp_path):
     assert json.load(f)["dts_delay"] == 2
 
 
+def test_switch_changes_the_cluster_shape(tmp_path):
+  """Sync on 2 workers x 128 (G = 256), then GBA on M = 256 / 64 = 4 workers x 64, same lr and
+  optimizer, from Sync's checkpoint: parameters, slots and the global step carry over."""
+  sync = _run(tmp_path, mode="sync", steps=20, local_batch_size=128)
+  gba = _run(tmp_path, mode="gba", num_workers=4, local_batch_size=64, global_batch_size=256,
+             steps=40)
+  assert (gba["num_workers"], gba["num_aggregate"], gba["global_batch_size"]) == (4, 4, 256)
+  assert gba["start_global_step"] == sync["global_step"] == 10
+  assert gba["global_step"] == 10 + 40 // 4 and len(gba["per_worker"]) == 4
+
+
 def test_restores_from_model_dir(tmp_path):
   first = _run(tmp_path)
   second = _run(tmp_path, steps=20)
