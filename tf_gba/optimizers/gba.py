@@ -255,9 +255,9 @@ class GBA(keras.optimizers.Optimizer):
         readies.append(ready)
         if leader_ready is None:
           leader_ready = ready
-      if info is not None:
-        # How many buffers this push completed, known once their updates ran (the barrier of
-        # Hop-BW moves the version on when every buffer has completed it).
+      if skip is not None:
+        # Hop-BW: how many buffers this push completed, known once their updates ran (its
+        # barrier moves the version on when every buffer has completed it).
         info.completed = tf.add_n([tf.cast(r, tf.int64) for r in readies])
         info.num_buffers = len(readies)
       # Once per global step, after the variable updates above (program order orders them on
