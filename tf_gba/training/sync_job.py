@@ -346,7 +346,10 @@ def summarize(config: TrainConfig, results: List[dict]) -> dict:
       # Every global step aggregates one local batch from each worker.
       "num_aggregate": num_workers, "local_batch_size": config.local_batch_size,
       "global_batch_size": config.local_batch_size * num_workers,
-      "stragglers": config.stragglers, "steps": steps,
+      "stragglers": config.stragglers,
+      # The all-reduce divides every gradient, embedding rows included, by N (absent rows zero).
+      "sparse_normalize": "num_aggregate",
+      "steps": steps,
       "examples": steps * config.local_batch_size,
       # The training loop's time, as in the other modes (start-up and final evaluation apart).
       "wall_seconds": chief["train_seconds"],
