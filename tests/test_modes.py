@@ -134,20 +134,16 @@ def reference_sparse_hop_bw(pushes, num_rows, dim):
 
   A row's sum is divided by the step's N - b3 places (the default embedding divisor, M).
   """
-  k, counted, rows, count, out = 0, 0, {}, {}, []
+  k, counted, rows, out = 0, 0, {}, []
   for i, (token, ids, values) in enumerate(pushes):
     if token != k:
       continue
     counted += 1
-    seen = set()
     for idx, v in zip(ids, values):
       rows[idx] = rows.get(idx, np.zeros(dim)) + v
-      if idx not in seen:
-        count[idx] = count.get(idx, 0) + 1
-        seen.add(idx)
     if counted == N - B3:
       out.append((i, {idx: rows[idx] / (N - B3) for idx in rows}))
-      k, counted, rows, count = k + 1, 0, {}, {}
+      k, counted, rows = k + 1, 0, {}
   return out
 
 

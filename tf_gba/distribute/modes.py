@@ -43,7 +43,8 @@ def default_hop_bw_backup(num_workers: int) -> int:
 
 
 def check_parameters(mode: str, num_workers: int, bsp_aggregate: Optional[int],
-                     hop_bs_bound: int, hop_bs_timeout_s: float, hop_bw_backup: int,
+                     hop_bs_bound: int, hop_bs_timeout_s: Optional[float],
+                     hop_bw_backup: Optional[int],
                      prefix: str = "") -> None:
   """Raises ValueError naming the parameter (`prefix` + its name, e.g. "--" for flags)."""
   if bsp_aggregate is not None and bsp_aggregate < 1:

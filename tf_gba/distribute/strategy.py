@@ -17,7 +17,6 @@ Example:
 """
 
 import threading
-import time
 from typing import Any, Callable, Dict, Optional
 
 import tensorflow as tf
