@@ -12,6 +12,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "custom_ops/common/accumulate.h"
 #include "tensorflow/core/framework/op_kernel.h"
 
 namespace tf_gba {
@@ -191,29 +192,6 @@ class BufferCore {
   std::unordered_set<int64_t> seen_;
   std::deque<int64_t> order_;
 };
-
-// Accumulation type: half and bfloat16 gradients are summed in float so that M of them do not
-// lose the low bits.
-template <typename T>
-struct AccumulatorType {
-  using type = T;
-};
-template <>
-struct AccumulatorType<Eigen::half> {
-  using type = float;
-};
-template <>
-struct AccumulatorType<Eigen::bfloat16> {
-  using type = float;
-};
-
-template <typename T>
-bool AllFinite(const T* data, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    if (!Eigen::numext::isfinite(data[i])) return false;
-  }
-  return true;
-}
 
 // Outputs of the Dense/SparseBufferStats ops; the caller holds the buffer's mutex.
 inline void WriteBufferStats(::tensorflow::OpKernelContext* ctx, BufferCore& core) {

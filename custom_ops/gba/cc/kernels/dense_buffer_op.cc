@@ -15,7 +15,7 @@
 
 #include "custom_ops/gba/cc/kernels/buffer_core.h"
 #include "custom_ops/gba/cc/kernels/dense_buffer_functor.h"
-#include "custom_ops/gba/cc/kernels/resource_util.h"
+#include "custom_ops/common/resource_util.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -76,17 +76,15 @@ bool BlockFinite(const T* g, int64_t n) {
   return ok;
 }
 
-constexpr int64_t kBlock = 16384;  // values per block: a block of g stays in cache between passes
-
 template <typename T>
 bool AllFiniteParallel(const CPUDevice& d, const T* g, int64_t n) {
   std::atomic<bool> ok(true);
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-  d.parallelFor(blocks, Eigen::TensorOpCost(kBlock * sizeof(T), 0, kBlock),
+  const int64_t blocks = NumCpuBlocks(n);
+  d.parallelFor(blocks, Eigen::TensorOpCost(kCpuBlock * sizeof(T), 0, kCpuBlock),
                 [&](Eigen::Index b0, Eigen::Index b1) {
                   for (Eigen::Index b = b0; b < b1 && ok.load(std::memory_order_relaxed); ++b) {
-                    const int64_t start = b * kBlock;
-                    if (!BlockFinite(g + start, std::min(kBlock, n - start))) ok = false;
+                    const int64_t start = b * kCpuBlock;
+                    if (!BlockFinite(g + start, std::min(kCpuBlock, n - start))) ok = false;
                   }
                 });
   return ok;
@@ -101,13 +99,13 @@ bool CheckedAccumulate(const CPUDevice& d, const T* g, Acc* s, int64_t n, Acc f,
   std::atomic<bool> ok(true);
   std::mutex done_mu;
   std::vector<std::pair<int64_t, int64_t>> done;  // block ranges applied, for the undo
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-  d.parallelFor(blocks, Eigen::TensorOpCost(kBlock * (sizeof(T) + 2 * sizeof(Acc)),
-                                            kBlock * sizeof(Acc), 2 * kBlock),
+  const int64_t blocks = NumCpuBlocks(n);
+  d.parallelFor(blocks, Eigen::TensorOpCost(kCpuBlock * (sizeof(T) + 2 * sizeof(Acc)),
+                                            kCpuBlock * sizeof(Acc), 2 * kCpuBlock),
                 [&](Eigen::Index b0, Eigen::Index b1) {
                   Eigen::Index b = b0;
                   for (; b < b1 && ok.load(std::memory_order_relaxed); ++b) {
-                    const int64_t start = b * kBlock, len = std::min(kBlock, n - start);
+                    const int64_t start = b * kCpuBlock, len = std::min(kCpuBlock, n - start);
                     const T* gb = g + start;
                     Acc* sb = s + start;
                     if (!BlockFinite(gb, len)) {
@@ -127,7 +125,7 @@ bool CheckedAccumulate(const CPUDevice& d, const T* g, Acc* s, int64_t n, Acc f,
   if (!assign) {
     for (const auto& r : done) {
       for (int64_t b = r.first; b < r.second; ++b) {
-        const int64_t start = b * kBlock, len = std::min(kBlock, n - start);
+        const int64_t start = b * kCpuBlock, len = std::min(kCpuBlock, n - start);
         for (int64_t i = 0; i < len; ++i) s[start + i] -= f * static_cast<Acc>(g[start + i]);
       }
     }

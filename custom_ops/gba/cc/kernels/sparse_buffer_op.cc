@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "custom_ops/gba/cc/kernels/buffer_core.h"
-#include "custom_ops/gba/cc/kernels/resource_util.h"
+#include "custom_ops/common/resource_util.h"
 #include "custom_ops/gba/cc/kernels/sparse_buffer_functor.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"

@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "custom_ops/gba/cc/kernels/worker_index.h"
+#include "custom_ops/common/worker_index.h"
 #include "tensorflow/core/framework/op_kernel.h"
 
 namespace tf_gba {

@@ -2,7 +2,7 @@
 // returns token floor(i / M); tokens are never waited for, so a worker that dies loses its token.
 #include <mutex>
 
-#include "custom_ops/gba/cc/kernels/resource_util.h"
+#include "custom_ops/common/resource_util.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 

@@ -23,8 +23,8 @@
 #include <utility>
 #include <vector>
 
-#include "custom_ops/gba/cc/kernels/resource_util.h"
-#include "custom_ops/gba/cc/kernels/worker_index.h"
+#include "custom_ops/common/resource_util.h"
+#include "custom_ops/common/worker_index.h"
 #include "tensorflow/core/framework/cancellation.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"

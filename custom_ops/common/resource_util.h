@@ -1,6 +1,6 @@
 // Creating and looking up the ref-counted resources behind the GBA handles.
-#ifndef TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_RESOURCE_UTIL_H_
-#define TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_RESOURCE_UTIL_H_
+#ifndef TF_GBA_CUSTOM_OPS_COMMON_RESOURCE_UTIL_H_
+#define TF_GBA_CUSTOM_OPS_COMMON_RESOURCE_UTIL_H_
 
 #include <functional>
 #include <string>
@@ -47,4 +47,4 @@ inline Status ReadScalarInt64(::tensorflow::OpKernelContext* ctx, int index, con
 
 }  // namespace tf_gba
 
-#endif  // TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_RESOURCE_UTIL_H_
+#endif  // TF_GBA_CUSTOM_OPS_COMMON_RESOURCE_UTIL_H_
