@@ -5,13 +5,9 @@
 #include <functional>
 #include <string>
 
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/resource_mgr.h"
-#include "tensorflow/core/framework/tensor.h"
+#include "custom_ops/common/kernel_util.h"
 
 namespace tf_gba {
-
-using ::tensorflow::Status;
 
 // The container/shared_name attributes every resource-creating op has.
 struct ResourceName {

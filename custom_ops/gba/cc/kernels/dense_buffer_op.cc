@@ -12,43 +12,13 @@
 #include <utility>
 #include <vector>
 
+#include "custom_ops/common/kernel_util.h"
 #include "custom_ops/gba/cc/kernels/buffer_core.h"
 #include "custom_ops/gba/cc/kernels/dense_buffer_functor.h"
 #include "custom_ops/common/resource_util.h"
-#include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
-#include "tensorflow/core/framework/resource_mgr.h"
-#include "tensorflow/core/framework/tensor.h"
-#include "tensorflow/core/platform/mutex.h"
-#include "tensorflow/core/platform/thread_annotations.h"
-#include "unsupported/Eigen/CXX11/Tensor"
 
 namespace tf_gba {
-
-using ::tensorflow::DataType;
-using ::tensorflow::DataTypeString;
-using ::tensorflow::DataTypeToEnum;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::PartialTensorShape;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::Status;
-namespace errors = ::tensorflow::errors;
-using CPUDevice = Eigen::ThreadPoolDevice;
-using GPUDevice = Eigen::GpuDevice;
-
-// True when every value is finite: |x| <= max is false for NaN and Inf. An AND of compares
-// (no floating-point reduction order to respect) lets the loop vectorise.
-template <typename T>
-bool BlockFinite(const T* g, int64_t n) {
-  using Acc = Accumulator<T>;
-  const Acc limit = std::numeric_limits<Acc>::max();
-  bool ok = true;
-  for (int64_t i = 0; i < n; ++i) ok &= std::abs(static_cast<Acc>(g[i])) <= limit;
-  return ok;
-}
 
 template <typename T>
 bool AllFiniteParallel(const CPUDevice& d, const T* g, int64_t n) {
@@ -64,44 +34,48 @@ bool AllFiniteParallel(const CPUDevice& d, const T* g, int64_t n) {
   return ok;
 }
 
-// s += f * g (or s = f * g when `assign`), in one pass over memory: each block of g is checked
-// for NaN/Inf while it is in cache, then accumulated. Returns false if g is not finite; then the
-// blocks already added are subtracted back (restoring s up to rounding; a dropped push is rare)
-// and, when assigning, s is left undefined for the caller to discard.
+template <typename T, typename Acc>
+void AddScaled(const T* __restrict__ g, Acc* __restrict__ s, int64_t n, Acc f, bool assign) {
+  if (assign) {
+    for (int64_t i = 0; i < n; ++i) s[i] = f * static_cast<Acc>(g[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) s[i] += f * static_cast<Acc>(g[i]);
+  }
+}
+
+// s += f * g (or s = f * g when `assign`), in one pass over memory: each L1-sized piece of g is
+// checked for NaN/Inf and then accumulated while it is in cache, the blocks in parallel. Returns
+// false if g is not finite; then the pieces already added are subtracted back (restoring s up to
+// rounding; a dropped push is rare) and, when assigning, s is left undefined for the caller to
+// discard. Each block records how far it got (no lock: every block owns its entry).
 template <typename T, typename Acc>
 bool CheckedAccumulate(const CPUDevice& d, const T* g, Acc* s, int64_t n, Acc f, bool assign) {
   std::atomic<bool> ok(true);
-  std::mutex done_mu;
-  std::vector<std::pair<int64_t, int64_t>> done;  // block ranges applied, for the undo
   const int64_t blocks = NumCpuBlocks(n);
+  std::vector<int64_t> done(blocks, 0);  // values of each block applied, for the undo
   d.parallelFor(blocks, Eigen::TensorOpCost(kCpuBlock * (sizeof(T) + 2 * sizeof(Acc)),
                                             kCpuBlock * sizeof(Acc), 2 * kCpuBlock),
                 [&](Eigen::Index b0, Eigen::Index b1) {
-                  Eigen::Index b = b0;
-                  for (; b < b1 && ok.load(std::memory_order_relaxed); ++b) {
-                    const int64_t start = b * kCpuBlock, len = std::min(kCpuBlock, n - start);
-                    const T* gb = g + start;
-                    Acc* sb = s + start;
-                    if (!BlockFinite(gb, len)) {
-                      ok = false;
-                      break;
+                  for (Eigen::Index b = b0; b < b1; ++b) {
+                    const int64_t start = b * kCpuBlock, end = std::min(start + kCpuBlock, n);
+                    int64_t i = start;
+                    while (i < end && ok.load(std::memory_order_relaxed)) {
+                      const int64_t len = std::min(kL1Piece, end - i);
+                      if (!BlockFinite(g + i, len)) {
+                        ok = false;
+                        break;
+                      }
+                      AddScaled(g + i, s + i, len, f, assign);
+                      i += len;
                     }
-                    if (assign) {
-                      for (int64_t i = 0; i < len; ++i) sb[i] = f * static_cast<Acc>(gb[i]);
-                    } else {
-                      for (int64_t i = 0; i < len; ++i) sb[i] += f * static_cast<Acc>(gb[i]);
-                    }
+                    done[b] = i - start;
                   }
-                  std::lock_guard<std::mutex> lock(done_mu);
-                  done.emplace_back(b0, b);
                 });
   if (ok) return true;
   if (!assign) {
-    for (const auto& r : done) {
-      for (int64_t b = r.first; b < r.second; ++b) {
-        const int64_t start = b * kCpuBlock, len = std::min(kCpuBlock, n - start);
-        for (int64_t i = 0; i < len; ++i) s[start + i] -= f * static_cast<Acc>(g[start + i]);
-      }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t start = b * kCpuBlock;
+      for (int64_t i = start; i < start + done[b]; ++i) s[i] -= f * static_cast<Acc>(g[i]);
     }
   }
   return false;

@@ -15,32 +15,13 @@
 #include <numeric>
 #include <vector>
 
+#include "custom_ops/common/kernel_util.h"
 #include "custom_ops/gba/cc/kernels/buffer_core.h"
 #include "custom_ops/common/resource_util.h"
 #include "custom_ops/gba/cc/kernels/sparse_buffer_functor.h"
-#include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
-#include "tensorflow/core/framework/resource_mgr.h"
-#include "tensorflow/core/framework/tensor.h"
-#include "tensorflow/core/platform/mutex.h"
-#include "tensorflow/core/platform/thread_annotations.h"
-#include "unsupported/Eigen/CXX11/Tensor"
 
 namespace tf_gba {
-
-using ::tensorflow::DataType;
-using ::tensorflow::DataTypeString;
-using ::tensorflow::DataTypeToEnum;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::PartialTensorShape;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::Status;
-namespace errors = ::tensorflow::errors;
-using CPUDevice = Eigen::ThreadPoolDevice;
-using GPUDevice = Eigen::GpuDevice;
 
 template <typename Device, typename Acc>
 struct RowPool;
@@ -247,7 +228,11 @@ template <typename T, typename Acc>
 struct SparseAccumulateRows<CPUDevice, T, Acc> {
   void operator()(const CPUDevice&, const T* rows, int64_t n, int64_t row_size,
                   const int32_t* slot, const Acc* weight, Acc* pool) const {
+    constexpr int64_t kAhead = 8;  // rows whose accumulator is fetched ahead (random slots)
     for (int64_t i = 0; i < n; ++i) {
+      if (i + kAhead < n && slot[i + kAhead] >= 0) {
+        __builtin_prefetch(pool + static_cast<int64_t>(slot[i + kAhead]) * row_size, 1);
+      }
       if (slot[i] < 0) continue;
       Acc* acc = pool + static_cast<int64_t>(slot[i]) * row_size;
       const T* row = rows + i * row_size;
@@ -333,7 +318,12 @@ void SparseGradientBuffer::Bookkeep(const Tindex* ids, int64_t n, int64_t token,
     core_.stats().dropped += num_unique;
     return;  // slots stay -1: nothing is added
   }
+  constexpr int64_t kAhead = 16;  // ids whose slot and tag are fetched ahead (random rows)
   for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      __builtin_prefetch(&slot_[ids[i + kAhead]], 1);
+      __builtin_prefetch(&tags_[ids[i + kAhead]]);
+    }
     const int64_t id = static_cast<int64_t>(ids[i]);
     int32_t& sl = slot_[id];
     if (sl < 0) {

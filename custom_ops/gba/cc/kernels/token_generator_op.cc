@@ -1,20 +1,10 @@
 // Token generator (SPEC section 1, "Tokens"): one per job, on parameter server 0. The i-th fetch
 // returns token floor(i / M); tokens are never waited for, so a worker that dies loses its token.
 
+#include "custom_ops/common/kernel_util.h"
 #include "custom_ops/common/resource_util.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/resource_mgr.h"
-#include "tensorflow/core/platform/mutex.h"
-#include "tensorflow/core/platform/thread_annotations.h"
 
 namespace tf_gba {
-
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-namespace errors = ::tensorflow::errors;
 
 class TokenGenerator : public ::tensorflow::ResourceBase {
  public:

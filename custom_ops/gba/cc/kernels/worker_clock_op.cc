@@ -21,35 +21,19 @@
 #include <utility>
 #include <vector>
 
+#include "custom_ops/common/kernel_util.h"
 #include "custom_ops/common/resource_util.h"
 #include "custom_ops/common/worker_index.h"
 #include "tensorflow/core/framework/cancellation.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/resource_mgr.h"
-#include "tensorflow/core/platform/mutex.h"
-#include "tensorflow/core/platform/thread_annotations.h"
 
 namespace tf_gba {
 
-using ::tensorflow::AsyncOpKernel;
 using ::tensorflow::CancellationManager;
 using ::tensorflow::CancellationToken;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-namespace errors = ::tensorflow::errors;
 
 namespace {
 
 constexpr int64_t kNoDeadline = std::numeric_limits<int64_t>::max();
-
-int64_t MonoNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // A blocked wait: what it takes to finish its op later, from whichever thread releases it.
 struct Waiter {
