@@ -32,15 +32,16 @@ struct AccumulatorType<Eigen::bfloat16> {
 template <typename T>
 using Accumulator = typename AccumulatorType<T>::type;
 
-// True when data[0, n) holds no NaN and no Inf: |x| <= max is false for both. An AND of compares
-// (no early exit, no floating-point reduction order to respect) lets the loop vectorise.
+// True when data[0, n) holds no NaN and no Inf: |x| <= max is false for both. An OR of compares
+// into an int (no early exit, no floating-point reduction order to respect) lets g++ vectorise
+// the loop; a bool accumulator (`ok &= ...`) does not, and was measured 9x slower.
 template <typename T>
 bool BlockFinite(const T* __restrict__ data, int64_t n) {
   using Acc = Accumulator<T>;
   const Acc limit = std::numeric_limits<Acc>::max();
-  bool ok = true;
-  for (int64_t i = 0; i < n; ++i) ok &= std::abs(static_cast<Acc>(data[i])) <= limit;
-  return ok;
+  int bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad |= !(std::abs(static_cast<Acc>(data[i])) <= limit);
+  return bad == 0;
 }
 
 // Values a check reads before it may stop early, and that a kernel checks and then uses while
