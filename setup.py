@@ -30,9 +30,16 @@ from setuptools.command.build_ext import build_ext
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+# Headers every op library compiles in (custom_ops/common/*.h); header-only, so no library of its
+# own. A change to any of them rebuilds every object (see BuildTfOps._headers).
+COMMON_DIR = os.path.join(ROOT, "custom_ops", "common")
+
+
 def _op_libraries():
   libs = []
   for area_dir in sorted(glob.glob(os.path.join(ROOT, "custom_ops", "*", "cc"))):
+    if os.path.dirname(area_dir) == COMMON_DIR:
+      continue
     area = os.path.basename(os.path.dirname(area_dir))
     sources = sorted(glob.glob(os.path.join(area_dir, "ops", "*.cc")) +
                      glob.glob(os.path.join(area_dir, "kernels", "*.cc")))

@@ -31,6 +31,9 @@ import tensorflow as tf
 
 from tf_gba.ops import loader
 
+# The updates are applied to variables in place and output nothing: no gradient.
+loader.no_gradient("GBA>ResourceApplyAdaptiveRevision", "GBA>ResourceSparseApplyAdaptiveRevision")
+
 
 def _ops():
   return loader.load_op_library("adaptive_revision")

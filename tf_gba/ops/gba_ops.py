@@ -29,6 +29,15 @@ NEVER_STALE = 2**62
 
 _uid = itertools.count()
 
+# None of the GBA core ops has a gradient: they hand out tokens, keep gradients that were already
+# computed, and report statistics; what they output is applied, never differentiated.
+loader.no_gradient(
+    "GBA>TokenGeneratorCreate", "GBA>TokenGeneratorFetch", "GBA>TokenGeneratorCount",
+    "GBA>TokenGeneratorReset", "GBA>DenseBufferCreate", "GBA>DenseBufferPush",
+    "GBA>DenseBufferStats", "GBA>DenseBufferSetStep", "GBA>SparseBufferCreate",
+    "GBA>SparseBufferPush", "GBA>SparseBufferStats", "GBA>SparseBufferExport",
+    "GBA>SparseBufferImport", "GBA>StepBegin", "GBA>StepEnd", "GBA>WorkerStepStats")
+
 
 def _ops():
   return loader.load_op_library("gba")

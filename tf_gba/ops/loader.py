@@ -19,6 +19,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _REPO_ROOT = os.path.dirname(os.path.dirname(_PACKAGE_DIR))
 _lock = threading.Lock()
 _loaded: Dict[str, object] = {}
+_paths: Dict[str, str] = {}  # area -> the file each loaded library came from
 
 REBUILD_COMMAND = ("pip install --no-build-isolation -e .   (or: make build; "
                    "or: bazel build //:ops and set TF_GBA_OPS_DIR=bazel-bin)")
@@ -70,6 +71,7 @@ def load_op_library(area: str):
         tried.append(f"{path}: {str(e).strip().splitlines()[0][:300]}")
         continue
       _loaded[area] = module
+      _paths[area] = path
       return module
     info = build_info()
     searched = [
@@ -89,6 +91,38 @@ def load_op_library(area: str):
                  f"{tf.__version__}.")
     lines.append(f"Rebuild with: {REBUILD_COMMAND}")
     raise OpLibraryNotFoundError("\n".join(lines))
+
+
+def library_path(area: str) -> str:
+  """The file the op library of `area` was loaded from (loading it if needed)."""
+  load_op_library(area)
+  return _paths[area]
+
+
+def op_names(area: str) -> List[str]:
+  """The op types the library of `area` registers, e.g. "GBA>DenseBufferPush"."""
+  from tensorflow.core.framework import op_def_pb2  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.client import pywrap_tf_session  # pylint: disable=g-import-not-at-top
+  handle = pywrap_tf_session.TF_LoadLibrary(library_path(area))  # already loaded: no-op
+  try:
+    op_list = op_def_pb2.OpList.FromString(bytes(pywrap_tf_session.TF_GetOpList(handle)))
+  finally:
+    pywrap_tf_session.TF_DeleteLibraryHandle(handle)
+  return [op.name for op in op_list.op]
+
+
+def no_gradient(*op_types: str) -> None:
+  """Declares that the ops `op_types` have no gradient (`tf.no_gradient`).
+
+  A tape or `tf.gradients` that reaches such an op then gets None for its inputs, as for
+  TensorFlow's own stateful ops, instead of failing with "No gradient defined". Registering needs
+  no compiled library (it is by op type name), and a second registration is skipped.
+  """
+  for op_type in op_types:
+    try:
+      tf.no_gradient(op_type)
+    except KeyError:  # registered before: this module was imported again
+      pass
 
 
 def load_all() -> None:

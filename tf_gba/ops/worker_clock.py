@@ -28,6 +28,11 @@ import tensorflow as tf
 
 from tf_gba.ops import loader
 
+# The clock's ops synchronise workers and report counts: nothing to differentiate.
+loader.no_gradient("GBA>WorkerClockCreate", "GBA>WorkerClockWait", "GBA>WorkerClockTick",
+                   "GBA>WorkerClockStats", "GBA>WorkerClockWaiting", "GBA>WorkerClockReset",
+                   "GBA>WorkerIndex")
+
 _uid = itertools.count()
 
 

@@ -102,3 +102,16 @@ def tf_gba_py_test(name, src, data = [], size = "medium", tags = []):
         # The venv lives outside Bazel's view: run where it is visible.
         tags = tags + ["local"],
     )
+
+def tf_op_area_library(name):
+    """The op library `name` of one area, custom_ops/<area>/, called from its BUILD file.
+
+    Every cc/ops/*.cc and cc/kernels/*.cc (so new kernels are picked up), their headers and the
+    shared ones of custom_ops/common, and the cc/kernels/*.cu.cc CUDA kernels.
+    """
+    tf_op_library(
+        name = name,
+        srcs = native.glob(["cc/ops/*.cc", "cc/kernels/*.cc"], exclude = ["**/*.cu.cc"]),
+        hdrs = native.glob(["cc/kernels/*.h"]) + ["//custom_ops/common:headers"],
+        gpu_srcs = native.glob(["cc/kernels/*.cu.cc"]),
+    )

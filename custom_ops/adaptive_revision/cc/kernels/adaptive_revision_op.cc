@@ -80,7 +80,7 @@ Eigen::TensorOpCost ValidateCost(bool use_max) {
 
 template <typename T>
 struct ApplyAdaptiveRevision<CPUDevice, T> {
-  using A = typename AccumType<T>::type;
+  using A = Accumulator<T>;
 
   AccumulatorError Validate(const CPUDevice& d, typename TTypes<T>::ConstFlat gbar,
                             typename TTypes<T>::ConstFlat z, typename TTypes<T>::ConstFlat zprime,
@@ -142,7 +142,7 @@ struct ApplyAdaptiveRevision<CPUDevice, T> {
 
 template <typename T, typename Tindex>
 struct SparseApplyAdaptiveRevision<CPUDevice, T, Tindex> {
-  using A = typename AccumType<T>::type;
+  using A = Accumulator<T>;
 
   absl::Status operator()(OpKernelContext* ctx, const CPUDevice& d, typename TTypes<T>::Matrix var,
                     typename TTypes<T>::Matrix gbar, typename TTypes<T>::Matrix z,

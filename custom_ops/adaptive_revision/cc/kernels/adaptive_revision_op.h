@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "custom_ops/common/accumulate.h"
 #include "tensorflow/core/framework/numeric_types.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor_types.h"
@@ -17,22 +18,6 @@
 
 namespace tf_gba {
 namespace functor {
-
-// The type the update is computed in. half and bfloat16 have 11 and 8 significant bits: the
-// differences gbar - gbar_old and eta_old - eta would be mostly rounding error in them, so the
-// arithmetic happens in float and only the stored state is rounded.
-template <typename T>
-struct AccumType {
-  using type = T;
-};
-template <>
-struct AccumType<Eigen::half> {
-  using type = float;
-};
-template <>
-struct AccumType<Eigen::bfloat16> {
-  using type = float;
-};
 
 // Algorithm 1's Update(g, gbar_old) for one coordinate, in SPEC section 2's order. `zp` is z', the
 // accumulator the current learning rate alpha / sqrt(z') is computed from: max(z, z') with

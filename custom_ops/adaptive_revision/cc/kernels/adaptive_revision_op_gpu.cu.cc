@@ -18,10 +18,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 
 #include "custom_ops/adaptive_revision/cc/kernels/adaptive_revision_op.h"
+#include "custom_ops/common/gpu_util.h"
 #include "unsupported/Eigen/CXX11/Tensor"
 
 namespace tf_gba {
@@ -29,34 +28,14 @@ namespace functor {
 namespace {
 
 using GPUDevice = Eigen::GpuDevice;
-
-constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 4096;  // grid-stride loops cover the rest
-
-int NumBlocks(int64_t n) {
-  const int64_t wanted = (n + kThreads - 1) / kThreads;
-  return static_cast<int>(wanted < kMaxBlocks ? (wanted > 0 ? wanted : 1) : kMaxBlocks);
-}
-
-// Only plain handles (stream, device memory) cross from TensorFlow's Eigen::GpuDevice: its
-// cudaDeviceProp may come from another CUDA release than this file's. A failed CUDA call stops the
-// process with the reason, as TensorFlow's own kernels do, rather than leave the slots half-updated.
-void Check(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return;
-  std::fprintf(stderr,
-               "tf_gba: CUDA error in %s: %s (%s). If this GPU's architecture is not among the "
-               "ones the op library was built for, rebuild it with TF_GBA_CUDA_ARCHS set to it "
-               "(docs/building.md).\n",
-               what, cudaGetErrorString(err), cudaGetErrorName(err));
-  std::abort();
-}
+using gpu::Check;
+using gpu::kThreads;
+using gpu::NumBlocks;
 
 template <typename T>
 T CopyElementToHost(const GPUDevice& d, const T* src) {
   T value;
-  Check(cudaMemcpyAsync(&value, src, sizeof(T), cudaMemcpyDeviceToHost, d.stream()),
-        "cudaMemcpyAsync (device to host)");
-  Check(cudaStreamSynchronize(d.stream()), "cudaStreamSynchronize");
+  gpu::CopyToHostSync(d, &value, src, sizeof(T));
   return value;
 }
 
@@ -67,7 +46,7 @@ __global__ void FindFirstBadAccumulator(const T* __restrict__ gbar, const T* __r
                                         const T* __restrict__ zprime, const T* __restrict__ grad,
                                         const T* __restrict__ gbar_old, int64_t n, bool use_max,
                                         unsigned long long* __restrict__ first_bad) {  // NOLINT
-  using A = typename AccumType<T>::type;
+  using A = Accumulator<T>;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     const A zp = static_cast<A>(zprime[i]);
@@ -90,7 +69,7 @@ __global__ void Update(T* __restrict__ var, T* __restrict__ gbar, T* __restrict_
                        T* __restrict__ zprime, const T* __restrict__ alpha,
                        const T* __restrict__ grad, const T* __restrict__ gbar_old, int64_t n,
                        bool use_max) {
-  using A = typename AccumType<T>::type;
+  using A = Accumulator<T>;
   const A a = static_cast<A>(*alpha);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
@@ -109,7 +88,7 @@ __global__ void Update(T* __restrict__ var, T* __restrict__ gbar, T* __restrict_
 
 template <typename T>
 struct ApplyAdaptiveRevision<GPUDevice, T> {
-  using A = typename AccumType<T>::type;
+  using A = Accumulator<T>;
 
   AccumulatorError Validate(const GPUDevice& d, typename tensorflow::TTypes<T>::ConstFlat gbar,
                             typename tensorflow::TTypes<T>::ConstFlat z,

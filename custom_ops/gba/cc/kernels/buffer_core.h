@@ -1,6 +1,7 @@
 // State and rules shared by the dense and the sparse GBA gradient buffers: the global step, the
 // number of entries in the current global batch, the staleness decay, push de-duplication and the
-// statistics read from Python. Everything here is guarded by the owning buffer's mutex.
+// statistics read from Python (BufferCore, guarded by the owning buffer's mutex), and the create and
+// stats kernels every buffer type shares.
 #ifndef TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_BUFFER_CORE_H_
 #define TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_BUFFER_CORE_H_
 
@@ -12,7 +13,10 @@
 #include <unordered_set>
 #include <vector>
 
+#include "custom_ops/common/accumulate.h"
+#include "custom_ops/common/resource_util.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
 
 namespace tf_gba {
 
@@ -78,35 +82,15 @@ inline Status ParseBufferConfig(::tensorflow::OpKernelConstruction* ctx, BufferC
     return ::tensorflow::errors::InvalidArgument(
         "staleness_threshold must be >= 0, got ", config->decay.iota, ".");
   }
-  if (decay == "threshold") {
-    config->decay.kind = DecayRule::kThreshold;
-  } else if (decay == "exponential") {
-    config->decay.kind = DecayRule::kExponential;
-  } else {
-    return ::tensorflow::errors::InvalidArgument(
-        "decay must be 'threshold' or 'exponential', got '", decay, "'.");
-  }
+  // decay, normalize and nonfinite are enum-like attributes: TensorFlow has checked their values.
+  config->decay.kind = decay == "exponential" ? DecayRule::kExponential : DecayRule::kThreshold;
   if (!(alpha > 0.0f && alpha <= 1.0f)) {
     return ::tensorflow::errors::InvalidArgument(
         "decay_alpha must be in (0, 1], got ", alpha, ".");
   }
   config->decay.alpha = alpha;
-  if (normalize == "num_aggregate") {
-    config->normalize = Normalize::kNumAggregate;
-  } else if (normalize == "kept") {
-    config->normalize = Normalize::kKept;
-  } else {
-    return ::tensorflow::errors::InvalidArgument(
-        "normalize must be 'num_aggregate' or 'kept', got '", normalize, "'.");
-  }
-  if (nonfinite == "drop") {
-    config->error_on_nonfinite = false;
-  } else if (nonfinite == "error") {
-    config->error_on_nonfinite = true;
-  } else {
-    return ::tensorflow::errors::InvalidArgument(
-        "nonfinite must be 'drop' or 'error', got '", nonfinite, "'.");
-  }
+  config->normalize = normalize == "kept" ? Normalize::kKept : Normalize::kNumAggregate;
+  config->error_on_nonfinite = nonfinite == "error";
   if (config->histogram_bins < 1) {
     return ::tensorflow::errors::InvalidArgument("histogram_bins must be >= 1.");
   }
@@ -138,6 +122,7 @@ class BufferCore {
   int64_t step() const { return step_; }
   int64_t entries() const { return entries_; }
   BufferStats& stats() { return stats_; }
+  const BufferStats& stats() const { return stats_; }
 
   // Returns false (and counts it) when `ticket` was pushed before. Tickets < 0 are never deduped.
   bool AcceptTicket(int64_t ticket) {
@@ -192,31 +177,8 @@ class BufferCore {
   std::deque<int64_t> order_;
 };
 
-// Accumulation type: half and bfloat16 gradients are summed in float so that M of them do not
-// lose the low bits.
-template <typename T>
-struct AccumulatorType {
-  using type = T;
-};
-template <>
-struct AccumulatorType<Eigen::half> {
-  using type = float;
-};
-template <>
-struct AccumulatorType<Eigen::bfloat16> {
-  using type = float;
-};
-
-template <typename T>
-bool AllFinite(const T* data, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    if (!Eigen::numext::isfinite(data[i])) return false;
-  }
-  return true;
-}
-
 // Outputs of the Dense/SparseBufferStats ops; the caller holds the buffer's mutex.
-inline void WriteBufferStats(::tensorflow::OpKernelContext* ctx, BufferCore& core) {
+inline void WriteBufferStats(::tensorflow::OpKernelContext* ctx, const BufferCore& core) {
   ::tensorflow::Tensor *step, *entries, *counters, *hist;
   OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ::tensorflow::TensorShape({}), &step));
   OP_REQUIRES_OK(ctx, ctx->allocate_output(1, ::tensorflow::TensorShape({}), &entries));
@@ -237,6 +199,46 @@ inline void WriteBufferStats(::tensorflow::OpKernelContext* ctx, BufferCore& cor
   auto h = hist->vec<int64_t>();
   for (size_t i = 0; i < s.histogram.size(); ++i) h(i) = s.histogram[i];
 }
+
+// The create op of a buffer type: the attributes every buffer has (BufferConfig, initial_step,
+// container/shared_name) plus the buffer's own, read by `Buffer::Params::FromAttrs` (which may
+// also set the buffer-specific fields of the config). The buffer is built as
+// `new Buffer(params, config, initial_step)`.
+template <typename Buffer>
+class BufferCreateOp : public ::tensorflow::OpKernel {
+ public:
+  explicit BufferCreateOp(::tensorflow::OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ParseBufferConfig(ctx, &config_));
+    OP_REQUIRES_OK(ctx, Buffer::Params::FromAttrs(ctx, &config_, &params_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("initial_step", &initial_step_));
+    OP_REQUIRES_OK(ctx, name_.FromAttrs(ctx));
+  }
+  void Compute(::tensorflow::OpKernelContext* ctx) override {
+    CreateResourceAndOutputHandle<Buffer>(ctx, name_, [this](Buffer** out) {
+      *out = new Buffer(params_, config_, initial_step_);
+      return ::tensorflow::OkStatus();
+    });
+  }
+
+ private:
+  BufferConfig config_;
+  typename Buffer::Params params_;
+  int64_t initial_step_;
+  ResourceName name_;
+};
+
+// The stats op of a buffer type: (global_step, entries, counters, histogram), read under the
+// buffer's lock by `Buffer::WriteStats`.
+template <typename Buffer>
+class BufferStatsOp : public ::tensorflow::OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(::tensorflow::OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<Buffer> buf;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &buf));
+    buf->WriteStats(ctx);
+  }
+};
 
 }  // namespace tf_gba
 

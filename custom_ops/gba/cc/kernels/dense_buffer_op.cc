@@ -8,128 +8,74 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
-#include <mutex>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "custom_ops/common/kernel_util.h"
 #include "custom_ops/gba/cc/kernels/buffer_core.h"
 #include "custom_ops/gba/cc/kernels/dense_buffer_functor.h"
-#include "custom_ops/gba/cc/kernels/resource_util.h"
-#include "tensorflow/core/framework/op_kernel.h"
+#include "custom_ops/common/resource_util.h"
 #include "tensorflow/core/framework/register_types.h"
-#include "tensorflow/core/framework/resource_mgr.h"
-#include "tensorflow/core/framework/tensor.h"
-#include "unsupported/Eigen/CXX11/Tensor"
 
 namespace tf_gba {
-
-using ::tensorflow::DataType;
-using ::tensorflow::DataTypeString;
-using ::tensorflow::DataTypeToEnum;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::PartialTensorShape;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-namespace errors = ::tensorflow::errors;
-using CPUDevice = Eigen::ThreadPoolDevice;
-using GPUDevice = Eigen::GpuDevice;
-
-class DenseGradientBuffer : public ::tensorflow::ResourceBase {
- public:
-  DenseGradientBuffer(DataType dtype, const TensorShape& shape, const BufferConfig& config,
-                      int64_t initial_step)
-      : dtype_(dtype), shape_(shape), core_(config, initial_step) {}
-
-  std::string DebugString() const override {
-    return ::tensorflow::strings::StrCat("GBA DenseGradientBuffer(", DataTypeString(dtype_),
-                                         shape_.DebugString(), ")");
-  }
-
-  DataType dtype() const { return dtype_; }
-  const TensorShape& shape() const { return shape_; }
-
-  std::mutex mu;
-  BufferCore core_;
-  Tensor sum;              // accumulator dtype; meaningful only while sum_valid
-  bool sum_valid = false;  // false: the next kept gradient assigns instead of adding (no memset)
-  // The last aggregate handed out. Once its consumers let go of it (reference count one), the
-  // next global batch accumulates into it: no fresh allocation, and no page faults, per batch.
-  Tensor spare;
-  int64_t kept = 0;        // entries with a non-zero weight in the current global batch
-
- private:
-  const DataType dtype_;
-  const TensorShape shape_;
-};
-
-// True when every value is finite: |x| <= max is false for NaN and Inf. An AND of compares
-// (no floating-point reduction order to respect) lets the loop vectorise.
-template <typename T>
-bool BlockFinite(const T* g, int64_t n) {
-  using Acc = typename AccumulatorType<T>::type;
-  const Acc limit = std::numeric_limits<Acc>::max();
-  bool ok = true;
-  for (int64_t i = 0; i < n; ++i) ok &= std::abs(static_cast<Acc>(g[i])) <= limit;
-  return ok;
-}
-
-constexpr int64_t kBlock = 16384;  // values per block: a block of g stays in cache between passes
 
 template <typename T>
 bool AllFiniteParallel(const CPUDevice& d, const T* g, int64_t n) {
   std::atomic<bool> ok(true);
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-  d.parallelFor(blocks, Eigen::TensorOpCost(kBlock * sizeof(T), 0, kBlock),
+  const int64_t blocks = NumCpuBlocks(n);
+  d.parallelFor(blocks, Eigen::TensorOpCost(kCpuBlock * sizeof(T), 0, kCpuBlock),
                 [&](Eigen::Index b0, Eigen::Index b1) {
                   for (Eigen::Index b = b0; b < b1 && ok.load(std::memory_order_relaxed); ++b) {
-                    const int64_t start = b * kBlock;
-                    if (!BlockFinite(g + start, std::min(kBlock, n - start))) ok = false;
+                    const int64_t start = b * kCpuBlock;
+                    if (!BlockFinite(g + start, std::min(kCpuBlock, n - start))) ok = false;
                   }
                 });
   return ok;
 }
 
-// s += f * g (or s = f * g when `assign`), in one pass over memory: each block of g is checked
-// for NaN/Inf while it is in cache, then accumulated. Returns false if g is not finite; then the
-// blocks already added are subtracted back (restoring s up to rounding; a dropped push is rare)
-// and, when assigning, s is left undefined for the caller to discard.
+template <typename T, typename Acc>
+void AddScaled(const T* __restrict__ g, Acc* __restrict__ s, int64_t n, Acc f, bool assign) {
+  if (assign) {
+    for (int64_t i = 0; i < n; ++i) s[i] = f * static_cast<Acc>(g[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) s[i] += f * static_cast<Acc>(g[i]);
+  }
+}
+
+// s += f * g (or s = f * g when `assign`), in one pass over memory: each L1-sized piece of g is
+// checked for NaN/Inf and then accumulated while it is in cache, the blocks in parallel. Returns
+// false if g is not finite; then the pieces already added are subtracted back (restoring s up to
+// rounding; a dropped push is rare) and, when assigning, s is left undefined for the caller to
+// discard. Each block records how far it got (no lock: every block owns its entry).
 template <typename T, typename Acc>
 bool CheckedAccumulate(const CPUDevice& d, const T* g, Acc* s, int64_t n, Acc f, bool assign) {
   std::atomic<bool> ok(true);
-  std::mutex done_mu;
-  std::vector<std::pair<int64_t, int64_t>> done;  // block ranges applied, for the undo
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-  d.parallelFor(blocks, Eigen::TensorOpCost(kBlock * (sizeof(T) + 2 * sizeof(Acc)),
-                                            kBlock * sizeof(Acc), 2 * kBlock),
+  const int64_t blocks = NumCpuBlocks(n);
+  std::vector<int64_t> done(blocks, 0);  // values of each block applied, for the undo
+  d.parallelFor(blocks, Eigen::TensorOpCost(kCpuBlock * (sizeof(T) + 2 * sizeof(Acc)),
+                                            kCpuBlock * sizeof(Acc), 2 * kCpuBlock),
                 [&](Eigen::Index b0, Eigen::Index b1) {
-                  Eigen::Index b = b0;
-                  for (; b < b1 && ok.load(std::memory_order_relaxed); ++b) {
-                    const int64_t start = b * kBlock, len = std::min(kBlock, n - start);
-                    const T* gb = g + start;
-                    Acc* sb = s + start;
-                    if (!BlockFinite(gb, len)) {
-                      ok = false;
-                      break;
+                  for (Eigen::Index b = b0; b < b1; ++b) {
+                    const int64_t start = b * kCpuBlock, end = std::min(start + kCpuBlock, n);
+                    int64_t i = start;
+                    while (i < end && ok.load(std::memory_order_relaxed)) {
+                      const int64_t len = std::min(kL1Piece, end - i);
+                      if (!BlockFinite(g + i, len)) {
+                        ok = false;
+                        break;
+                      }
+                      AddScaled(g + i, s + i, len, f, assign);
+                      i += len;
                     }
-                    if (assign) {
-                      for (int64_t i = 0; i < len; ++i) sb[i] = f * static_cast<Acc>(gb[i]);
-                    } else {
-                      for (int64_t i = 0; i < len; ++i) sb[i] += f * static_cast<Acc>(gb[i]);
-                    }
+                    done[b] = i - start;
                   }
-                  std::lock_guard<std::mutex> lock(done_mu);
-                  done.emplace_back(b0, b);
                 });
   if (ok) return true;
   if (!assign) {
-    for (const auto& r : done) {
-      for (int64_t b = r.first; b < r.second; ++b) {
-        const int64_t start = b * kBlock, len = std::min(kBlock, n - start);
-        for (int64_t i = 0; i < len; ++i) s[start + i] -= f * static_cast<Acc>(g[start + i]);
-      }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t start = b * kCpuBlock;
+      for (int64_t i = start; i < start + done[b]; ++i) s[i] -= f * static_cast<Acc>(g[i]);
     }
   }
   return false;
@@ -183,41 +129,148 @@ struct DenseFillZero<CPUDevice, T> {
 
 }  // namespace functor
 
-class DenseBufferCreateOp : public OpKernel {
+// The buffer of one dense variable. Its state is private and guarded by mu_; a push runs under
+// the lock from the ticket check to the hand-out of a completed aggregate, so pushes of one buffer
+// are applied one at a time (each is itself parallel over the gradient's blocks).
+class DenseGradientBuffer : public ::tensorflow::ResourceBase {
  public:
-  explicit DenseBufferCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ParseBufferConfig(ctx, &config_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dtype", &dtype_));
-    PartialTensorShape shape;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("shape", &shape));
-    OP_REQUIRES(ctx, shape.IsFullyDefined(),
-                errors::InvalidArgument("A dense GBA buffer needs a fully defined shape, got ",
-                                        shape.DebugString(), "."));
-    OP_REQUIRES(ctx, shape.AsTensorShape(&shape_),
-                errors::InvalidArgument("Invalid buffer shape ", shape.DebugString()));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("initial_step", &initial_step_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("container", &container_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("shared_name", &shared_name_));
+  // What the create op's own attributes say besides the shared BufferConfig.
+  struct Params {
+    DataType dtype;
+    TensorShape shape;
+
+    static Status FromAttrs(OpKernelConstruction* ctx, BufferConfig*, Params* p) {
+      TF_RETURN_IF_ERROR(ctx->GetAttr("dtype", &p->dtype));
+      PartialTensorShape shape;
+      TF_RETURN_IF_ERROR(ctx->GetAttr("shape", &shape));
+      if (!shape.IsFullyDefined() || !shape.AsTensorShape(&p->shape)) {
+        return errors::InvalidArgument("A dense GBA buffer needs a fully defined shape, got ",
+                                       shape.DebugString(), ".");
+      }
+      return ::tensorflow::OkStatus();
+    }
+  };
+
+  // What one push did: whether it completed a global batch, the step after it, and the batch's
+  // weighted sum (accumulation type) and divisor when it did.
+  struct PushResult {
+    bool ready = false;
+    int64_t step = 0;
+    bool sum_valid = false;  // false: every gradient of the batch was dropped
+    Tensor sum;
+    int64_t divisor = 1;
+  };
+
+  DenseGradientBuffer(const Params& params, const BufferConfig& config, int64_t initial_step)
+      : dtype_(params.dtype), shape_(params.shape), core_(config, initial_step) {}
+
+  std::string DebugString() const override {
+    return ::tensorflow::strings::StrCat("GBA DenseGradientBuffer(", DataTypeString(dtype_),
+                                         shape_.DebugString(), ")");
   }
-  void Compute(OpKernelContext* ctx) override {
-    CreateResourceAndOutputHandle<DenseGradientBuffer>(
-        ctx, container_, shared_name_, [this](DenseGradientBuffer** out) {
-          *out = new DenseGradientBuffer(dtype_, shape_, config_, initial_step_);
-          return ::tensorflow::OkStatus();
-        });
+
+  DataType dtype() const { return dtype_; }
+  const TensorShape& shape() const { return shape_; }
+  // Immutable after construction: readable without the lock.
+  bool error_on_nonfinite() const { return config_.error_on_nonfinite; }
+
+  // Adds f(staleness) * g to the running sum (SPEC Eq. 1) and, when this push completes the
+  // global batch, hands the sum out in `result` and starts the next batch.
+  template <typename Device, typename T>
+  Status Push(OpKernelContext* ctx, const T* g, int64_t n, int64_t token, int64_t ticket,
+              PushResult* result) TF_LOCKS_EXCLUDED(mu_) {
+    using Acc = Accumulator<T>;
+    const Device& d = ctx->eigen_device<Device>();
+    ::tensorflow::mutex_lock lock(mu_);
+    if (core_.AcceptTicket(ticket)) {  // a ticket seen before: the same push delivered again
+      const int64_t staleness = core_.step() - token;
+      core_.RecordStaleness(staleness);
+      double f = config_.decay.Weight(staleness);
+      bool finite = true;
+      if (f == 0.0) {
+        // Too stale: dropped whatever it holds. Look for NaN/Inf only to count it.
+        finite = functor::DenseAllFinite<Device, T>()(d, g, n);
+      } else {
+        if (!sum_valid_) TF_RETURN_IF_ERROR(StartSum(ctx, DataTypeToEnum<Acc>::value));
+        finite = functor::DenseAccumulate<Device, T, Acc>()(d, g, sum_.flat<Acc>().data(), n,
+                                                            static_cast<Acc>(f),
+                                                            /*assign=*/!sum_valid_);
+        if (finite) {
+          sum_valid_ = true;
+          ++kept_;
+        } else {
+          f = 0.0;
+        }
+      }
+      if (!finite) ++core_.stats().nonfinite;
+      if (f == 0.0) ++core_.stats().dropped;
+      if (core_.AddEntry(f != 0.0 || config_.count_dropped)) {
+        result->ready = true;
+        result->sum_valid = sum_valid_;
+        result->sum = sum_;  // shares the tensor; the next batch starts another (or the spare)
+        sum_ = Tensor();
+        sum_valid_ = false;
+        result->divisor = config_.normalize == Normalize::kNumAggregate
+                              ? config_.num_aggregate
+                              : std::max<int64_t>(1, kept_);
+        kept_ = 0;
+        core_.FinishAggregation();
+      }
+    }
+    result->step = core_.step();
+    return ::tensorflow::OkStatus();
+  }
+
+  // Offers a handed-out aggregate back: once its consumers let go of it (reference count one), a
+  // later global batch accumulates into it, without a fresh allocation and its page faults.
+  void OfferSpare(const Tensor& aggregate) TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::mutex_lock lock(mu_);
+    if (!sum_valid_) spare_ = aggregate;
+  }
+
+  // Restoring a checkpoint: the pending sum belongs to gradients whose tokens are gone.
+  void Reset(int64_t step) TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::mutex_lock lock(mu_);
+    core_.Reset(step);
+    sum_ = Tensor();
+    sum_valid_ = false;
+    kept_ = 0;
+  }
+
+  void WriteStats(OpKernelContext* ctx) const TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::tf_shared_lock lock(mu_);
+    WriteBufferStats(ctx, core_);
   }
 
  private:
-  BufferConfig config_;
-  DataType dtype_;
-  TensorShape shape_;
-  int64_t initial_step_;
-  std::string container_, shared_name_;
+  // The sum the first kept gradient of a batch is assigned to: the spare when it is free.
+  Status StartSum(OpKernelContext* ctx, DataType acc_dtype) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (spare_.IsInitialized() && spare_.RefCountIsOne()) {
+      sum_ = spare_;
+    } else {
+      TF_RETURN_IF_ERROR(ctx->allocate_temp(acc_dtype, shape_, &sum_));
+    }
+    spare_ = Tensor();
+    return ::tensorflow::OkStatus();
+  }
+
+  const DataType dtype_;
+  const TensorShape shape_;
+  mutable ::tensorflow::mutex mu_;
+  BufferCore core_ TF_GUARDED_BY(mu_);
+  const BufferConfig& config_ = core_.config();  // immutable: no lock needed
+  Tensor sum_ TF_GUARDED_BY(mu_);        // accumulation type; meaningful only while sum_valid_
+  bool sum_valid_ TF_GUARDED_BY(mu_) = false;  // false: the next kept gradient assigns (no memset)
+  Tensor spare_ TF_GUARDED_BY(mu_);      // the last aggregate handed out (see OfferSpare)
+  int64_t kept_ TF_GUARDED_BY(mu_) = 0;  // entries with a non-zero weight in the current batch
 };
+
+using DenseBufferCreateOp = BufferCreateOp<DenseGradientBuffer>;
+using DenseBufferStatsOp = BufferStatsOp<DenseGradientBuffer>;
 
 template <typename Device, typename T>
 class DenseBufferPushOp : public OpKernel {
-  using Acc = typename AccumulatorType<T>::type;
+  using Acc = Accumulator<T>;
 
  public:
   using OpKernel::OpKernel;
@@ -245,8 +298,7 @@ class DenseBufferPushOp : public OpKernel {
     const Device& d = ctx->eigen_device<Device>();
     auto g = grad.flat<T>();
 
-    const bool error_on_nonfinite = buf->core_.config().error_on_nonfinite;
-    if (error_on_nonfinite) {
+    if (buf->error_on_nonfinite()) {
       // Checked before anything changes, so the push can be refused as a whole.
       OP_REQUIRES(ctx, (functor::DenseAllFinite<Device, T>()(d, g.data(), g.size())),
                   errors::InvalidArgument("Gradient pushed to ", buf->DebugString(),
@@ -256,97 +308,35 @@ class DenseBufferPushOp : public OpKernel {
                                           "pushes."));
     }
 
-    bool ready = false;
-    bool out_valid = false;
-    int64_t step_out, divisor = 1;
-    Tensor out_sum;
-    {
-      std::lock_guard<std::mutex> lock(buf->mu);
-      BufferCore& core = buf->core_;
-      if (core.AcceptTicket(ticket)) {  // a ticket seen before: the same push delivered again
-        const int64_t staleness = core.step() - token;
-        core.RecordStaleness(staleness);
-        double f = core.config().decay.Weight(staleness);
-        bool finite = true;
-        if (f == 0.0) {
-          // Too stale: dropped whatever it holds. Look for NaN/Inf only to count it.
-          finite = functor::DenseAllFinite<Device, T>()(d, g.data(), g.size());
-        } else {
-          if (!buf->sum_valid) {
-            if (buf->spare.IsInitialized() && buf->spare.RefCountIsOne()) {
-              buf->sum = buf->spare;
-            } else {
-              OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<Acc>::value, buf->shape(),
-                                                     &buf->sum));
-            }
-            buf->spare = Tensor();
-          }
-          finite = functor::DenseAccumulate<Device, T, Acc>()(
-              d, g.data(), buf->sum.flat<Acc>().data(), g.size(), static_cast<Acc>(f),
-              /*assign=*/!buf->sum_valid);
-          if (finite) {
-            buf->sum_valid = true;
-            ++buf->kept;
-          } else {
-            f = 0.0;
-          }
-        }
-        if (!finite) ++core.stats().nonfinite;
-        if (f == 0.0) ++core.stats().dropped;
-        if (core.AddEntry(f != 0.0 || core.config().count_dropped)) {
-          ready = true;
-          out_valid = buf->sum_valid;
-          out_sum = buf->sum;  // shares the buffer; the next batch allocates a fresh one
-          buf->sum = Tensor();
-          buf->sum_valid = false;
-          divisor = core.config().normalize == Normalize::kNumAggregate
-                        ? core.config().num_aggregate
-                        : std::max<int64_t>(1, buf->kept);
-          buf->kept = 0;
-          core.FinishAggregation();
-        }
-      }
-      step_out = core.step();
-    }
+    DenseGradientBuffer::PushResult r;
+    OP_REQUIRES_OK(ctx, (buf->Push<Device, T>(ctx, g.data(), g.size(), token, ticket, &r)));
 
     Tensor* ready_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &ready_t));
-    ready_t->scalar<bool>()() = ready;
+    ready_t->scalar<bool>()() = r.ready;
     Tensor* step_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({}), &step_t));
-    step_t->scalar<int64_t>()() = step_out;
-    if (!ready) {
+    step_t->scalar<int64_t>()() = r.step;
+    if (!r.ready) {
       ctx->set_output(1, grad);  // passthrough: costs nothing, never applied
       return;
     }
-    const Acc scale = static_cast<Acc>(1.0 / static_cast<double>(divisor));
-    if (!out_valid) {  // every gradient of this batch was dropped
+    const Acc scale = static_cast<Acc>(1.0 / static_cast<double>(r.divisor));
+    if (!r.sum_valid) {  // every gradient of this batch was dropped
       Tensor* out;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(1, buf->shape(), &out));
       functor::DenseFillZero<Device, T>()(d, out->flat<T>().data(), out->NumElements());
     } else if (std::is_same<T, Acc>::value) {
-      Acc* s = out_sum.flat<Acc>().data();
-      functor::DenseScale<Device, Acc, Acc>()(d, s, s, out_sum.NumElements(), scale);
-      ctx->set_output(1, out_sum);
-      std::lock_guard<std::mutex> lock(buf->mu);
-      if (!buf->sum_valid) buf->spare = out_sum;
+      Acc* s = r.sum.flat<Acc>().data();
+      functor::DenseScale<Device, Acc, Acc>()(d, s, s, r.sum.NumElements(), scale);
+      ctx->set_output(1, r.sum);
+      buf->OfferSpare(r.sum);
     } else {
       Tensor* out;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(1, buf->shape(), &out));
-      functor::DenseScale<Device, T, Acc>()(d, out_sum.flat<Acc>().data(), out->flat<T>().data(),
+      functor::DenseScale<Device, T, Acc>()(d, r.sum.flat<Acc>().data(), out->flat<T>().data(),
                                             out->NumElements(), scale);
     }
-  }
-};
-
-class DenseBufferStatsOp : public OpKernel {
- public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<DenseGradientBuffer> buf;
-    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &buf));
-    std::lock_guard<std::mutex> lock(buf->mu);
-    WriteBufferStats(ctx, buf->core_);
   }
 };
 
@@ -360,11 +350,7 @@ class DenseBufferSetStepOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 1, "global_step", &step));
     OP_REQUIRES(ctx, step >= 0,
                 errors::InvalidArgument("global_step must be >= 0, got ", step, "."));
-    std::lock_guard<std::mutex> lock(buf->mu);
-    buf->core_.Reset(step);
-    buf->sum = Tensor();
-    buf->sum_valid = false;
-    buf->kept = 0;
+    buf->Reset(step);
   }
 };
 

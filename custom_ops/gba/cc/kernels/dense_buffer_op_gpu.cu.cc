@@ -13,7 +13,7 @@
 #include <cstdint>
 
 #include "custom_ops/gba/cc/kernels/dense_buffer_functor.h"
-#include "custom_ops/gba/cc/kernels/gpu_functor_util.h"
+#include "custom_ops/common/gpu_util.h"
 #include "unsupported/Eigen/CXX11/Tensor"
 
 namespace tf_gba {

@@ -12,52 +12,58 @@
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
-#include <mutex>
 #include <numeric>
 #include <vector>
 
+#include "custom_ops/common/kernel_util.h"
 #include "custom_ops/gba/cc/kernels/buffer_core.h"
-#include "custom_ops/gba/cc/kernels/resource_util.h"
+#include "custom_ops/common/resource_util.h"
 #include "custom_ops/gba/cc/kernels/sparse_buffer_functor.h"
-#include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
-#include "tensorflow/core/framework/resource_mgr.h"
-#include "tensorflow/core/framework/tensor.h"
-#include "unsupported/Eigen/CXX11/Tensor"
 
 namespace tf_gba {
 
-using ::tensorflow::DataType;
-using ::tensorflow::DataTypeString;
-using ::tensorflow::DataTypeToEnum;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::PartialTensorShape;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-namespace errors = ::tensorflow::errors;
-using CPUDevice = Eigen::ThreadPoolDevice;
-using GPUDevice = Eigen::GpuDevice;
+template <typename Device, typename Acc>
+struct RowPool;
 
+// The buffer of one embedding table (shard). Its state is private and guarded by mu_; a push runs
+// under the lock from the ticket check to the hand-out of a completed aggregate.
 class SparseGradientBuffer : public ::tensorflow::ResourceBase {
  public:
-  struct Touched {
-    int64_t id;
-    int32_t count;      // pushes of this batch whose ids contained id: c(id)
-    int32_t kept;       // of those, pushes with a non-zero weight
-    int64_t last_push;  // sequence number of the last push that counted this id
+  // What the create op's own attributes say besides the shared BufferConfig.
+  struct Params {
+    DataType dtype;
+    int64_t num_rows;
+    TensorShape row_shape;
+
+    static Status FromAttrs(OpKernelConstruction* ctx, BufferConfig* config, Params* p) {
+      std::string sparse_normalize;  // the op's attr lists the choices: TF checks the value
+      TF_RETURN_IF_ERROR(ctx->GetAttr("sparse_normalize", &sparse_normalize));
+      config->sparse_per_id_divisor = sparse_normalize == "per_id";
+      TF_RETURN_IF_ERROR(ctx->GetAttr("dtype", &p->dtype));
+      TF_RETURN_IF_ERROR(ctx->GetAttr("num_rows", &p->num_rows));
+      if (p->num_rows < 0 || p->num_rows >= (int64_t{1} << 31)) {
+        return errors::InvalidArgument("num_rows must be in [0, 2^31) per buffer (shard larger "
+                                       "tables), got ", p->num_rows, ".");
+      }
+      PartialTensorShape row_shape;
+      TF_RETURN_IF_ERROR(ctx->GetAttr("row_shape", &row_shape));
+      if (!row_shape.IsFullyDefined() || !row_shape.AsTensorShape(&p->row_shape)) {
+        return errors::InvalidArgument("row_shape must be fully defined, got ",
+                                       row_shape.DebugString(), ".");
+      }
+      return ::tensorflow::OkStatus();
+    }
   };
 
-  SparseGradientBuffer(DataType dtype, int64_t num_rows, const TensorShape& row_shape,
-                       const BufferConfig& config, int64_t initial_step)
-      : core_(config, initial_step),
-        dtype_(dtype),
-        num_rows_(num_rows),
-        row_shape_(row_shape),
-        row_size_(row_shape.num_elements()),
-        tags(num_rows, -1),
-        slot(num_rows, -1) {}
+  SparseGradientBuffer(const Params& params, const BufferConfig& config, int64_t initial_step)
+      : dtype_(params.dtype),
+        num_rows_(params.num_rows),
+        row_shape_(params.row_shape),
+        row_size_(params.row_shape.num_elements()),
+        core_(config, initial_step),
+        tags_(params.num_rows, -1),
+        slot_(params.num_rows, -1) {}
 
   std::string DebugString() const override {
     return ::tensorflow::strings::StrCat("GBA SparseGradientBuffer(", DataTypeString(dtype_), "[",
@@ -68,42 +74,100 @@ class SparseGradientBuffer : public ::tensorflow::ResourceBase {
   int64_t num_rows() const { return num_rows_; }
   const TensorShape& row_shape() const { return row_shape_; }
   int64_t row_size() const { return row_size_; }
+  // Immutable after construction: readable without the lock.
+  bool error_on_nonfinite() const { return config_.error_on_nonfinite; }
 
-  // Forgets the current batch's accumulators (after aggregation, or on restore).
-  void ClearBatch() {
-    for (const Touched& t : touched) slot[t.id] = -1;
-    touched.clear();
-    pool_f.clear();
-    pool_d.clear();
+  // Adds the push's rows, each with its id's weight, and, when the push completes the global
+  // batch, writes the aggregate into outputs 1 and 2 (defined below the row pools).
+  template <typename Device, typename T, typename Tindex>
+  Status Push(OpKernelContext* ctx, const Tindex* ids, const T* rows, int64_t n, int64_t token,
+              int64_t ticket, bool finite, bool* ready, int64_t* step) TF_LOCKS_EXCLUDED(mu_);
+
+  // (global step, row tags) for a checkpoint.
+  void Export(int64_t* step, int64_t* tags) const TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::tf_shared_lock lock(mu_);
+    *step = core_.step();
+    std::copy(tags_.begin(), tags_.end(), tags);
   }
 
-  std::mutex mu;
-  BufferCore core_;
-  std::vector<int64_t> tags;     // last_step per row
-  std::vector<int32_t> slot;     // index into `touched` for ids of the current batch, else -1
-  std::vector<Touched> touched;
-  std::vector<float> pool_f;     // accumulator rows (float, half, bfloat16 gradients)
-  std::vector<double> pool_d;    // accumulator rows (double gradients)
-  Tensor device_pool;            // GPU: accumulator rows in GPU memory (capacity, grown by doubling)
-  int64_t push_seq = 0;
+  // Restoring a checkpoint: the pending batch belongs to gradients whose tokens are gone.
+  void Import(int64_t step, const int64_t* tags) TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::mutex_lock lock(mu_);
+    core_.Reset(step);
+    ClearBatch();
+    std::copy(tags, tags + num_rows_, tags_.begin());
+  }
+
+  void WriteStats(OpKernelContext* ctx) const TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::tf_shared_lock lock(mu_);
+    WriteBufferStats(ctx, core_);
+  }
 
  private:
+  template <typename Device, typename Acc>
+  friend struct RowPool;
+
+  // The accumulator rows of the current batch, one per slot (see RowPool).
+  template <typename Acc>
+  std::vector<Acc>& host_pool() TF_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Tensor& device_pool() TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return device_pool_; }
+
+  struct Touched {
+    int64_t id;
+    int32_t count;      // pushes of this batch whose ids contained id: c(id)
+    int32_t kept;       // of those, pushes with a non-zero weight
+    int64_t last_push;  // sequence number of the last push that counted this id
+  };
+
+  // The bookkeeping of one push, on the host: each id's slot in the pool and its weight in this
+  // push (slot -1: weight 0, nothing to add), the per-id counts and the statistics.
+  template <typename Tindex, typename Acc>
+  void Bookkeep(const Tindex* ids, int64_t n, int64_t token, bool finite, int32_t* slot_of,
+                Acc* weight_of) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Writes the aggregate of the completed global batch into outputs 1 and 2 (ids in the order
+  // they were first pushed; ids whose every weight was zero left out), tags the aggregated rows
+  // with the step k being applied, and clears the batch.
+  template <typename Device, typename T, typename Tindex, typename Acc>
+  Status Aggregate(OpKernelContext* ctx, const Acc* pool) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Forgets the current batch's accumulators (after aggregation, or on restore).
+  void ClearBatch() TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const Touched& t : touched_) slot_[t.id] = -1;
+    touched_.clear();
+    pool_f_.clear();
+    pool_d_.clear();
+  }
+
   const DataType dtype_;
   const int64_t num_rows_;
   const TensorShape row_shape_;
   const int64_t row_size_;
+  mutable ::tensorflow::mutex mu_;
+  BufferCore core_ TF_GUARDED_BY(mu_);
+  const BufferConfig& config_ = core_.config();  // immutable: no lock needed
+  std::vector<int64_t> tags_ TF_GUARDED_BY(mu_);   // last_step per row
+  std::vector<int32_t> slot_ TF_GUARDED_BY(mu_);   // index into touched_ for ids of the batch
+  std::vector<Touched> touched_ TF_GUARDED_BY(mu_);
+  std::vector<float> pool_f_ TF_GUARDED_BY(mu_);   // accumulator rows (float, half, bfloat16)
+  std::vector<double> pool_d_ TF_GUARDED_BY(mu_);  // accumulator rows (double gradients)
+  Tensor device_pool_ TF_GUARDED_BY(mu_);  // GPU: accumulator rows (capacity grown by doubling)
+  int64_t push_seq_ TF_GUARDED_BY(mu_) = 0;
 };
 
-template <typename Acc>
-std::vector<Acc>& Pool(SparseGradientBuffer* b);
 template <>
-std::vector<float>& Pool<float>(SparseGradientBuffer* b) { return b->pool_f; }
+inline std::vector<float>& SparseGradientBuffer::host_pool<float>() {
+  return pool_f_;
+}
 template <>
-std::vector<double>& Pool<double>(SparseGradientBuffer* b) { return b->pool_d; }
+inline std::vector<double>& SparseGradientBuffer::host_pool<double>() {
+  return pool_d_;
+}
 
 // The accumulator rows of the current batch, one per slot, in the device's memory. Reserve makes
 // room for up to `max_rows` rows keeping the first `old_rows` (it may fail: call it before any
-// bookkeeping changes); Grow then zeroes rows [old_rows, new_rows) and returns the pool.
+// bookkeeping changes); Grow then zeroes rows [old_rows, new_rows) and returns the pool. The
+// caller holds the buffer's lock.
 template <typename Device, typename Acc>
 struct RowPool;
 
@@ -112,8 +176,9 @@ struct RowPool<CPUDevice, Acc> {
   static Status Reserve(OpKernelContext*, SparseGradientBuffer*, int64_t, int64_t) {
     return ::tensorflow::OkStatus();
   }
-  static Acc* Grow(OpKernelContext*, SparseGradientBuffer* buf, int64_t, int64_t new_rows) {
-    std::vector<Acc>& pool = Pool<Acc>(buf);
+  static Acc* Grow(OpKernelContext*, SparseGradientBuffer* buf, int64_t, int64_t new_rows)
+      TF_EXCLUSIVE_LOCKS_REQUIRED(buf->mu_) {
+    std::vector<Acc>& pool = buf->host_pool<Acc>();
     pool.resize(new_rows * buf->row_size(), Acc(0));
     return pool.data();
   }
@@ -123,8 +188,8 @@ struct RowPool<CPUDevice, Acc> {
 template <typename Acc>
 struct RowPool<GPUDevice, Acc> {
   static Status Reserve(OpKernelContext* ctx, SparseGradientBuffer* buf, int64_t old_rows,
-                        int64_t max_rows) {
-    Tensor& pool = buf->device_pool;
+                        int64_t max_rows) TF_EXCLUSIVE_LOCKS_REQUIRED(buf->mu_) {
+    Tensor& pool = buf->device_pool();
     const int64_t capacity = pool.IsInitialized() ? pool.NumElements() : 0;
     const int64_t needed = max_rows * buf->row_size();
     if (needed <= capacity) return ::tensorflow::OkStatus();
@@ -139,9 +204,9 @@ struct RowPool<GPUDevice, Acc> {
     return ::tensorflow::OkStatus();
   }
   static Acc* Grow(OpKernelContext* ctx, SparseGradientBuffer* buf, int64_t old_rows,
-                   int64_t new_rows) {
-    if (!buf->device_pool.IsInitialized()) return nullptr;  // no rows yet
-    Acc* pool = buf->device_pool.flat<Acc>().data();
+                   int64_t new_rows) TF_EXCLUSIVE_LOCKS_REQUIRED(buf->mu_) {
+    if (!buf->device_pool().IsInitialized()) return nullptr;  // no rows yet
+    Acc* pool = buf->device_pool().flat<Acc>().data();
     functor::SparsePoolGrow<GPUDevice, Acc>()(ctx->eigen_device<GPUDevice>(), pool,
                                               old_rows * buf->row_size(), pool,
                                               new_rows * buf->row_size());
@@ -163,7 +228,11 @@ template <typename T, typename Acc>
 struct SparseAccumulateRows<CPUDevice, T, Acc> {
   void operator()(const CPUDevice&, const T* rows, int64_t n, int64_t row_size,
                   const int32_t* slot, const Acc* weight, Acc* pool) const {
+    constexpr int64_t kAhead = 8;  // rows whose accumulator is fetched ahead (random slots)
     for (int64_t i = 0; i < n; ++i) {
+      if (i + kAhead < n && slot[i + kAhead] >= 0) {
+        __builtin_prefetch(pool + static_cast<int64_t>(slot[i + kAhead]) * row_size, 1);
+      }
       if (slot[i] < 0) continue;
       Acc* acc = pool + static_cast<int64_t>(slot[i]) * row_size;
       const T* row = rows + i * row_size;
@@ -194,51 +263,143 @@ struct SparseGatherRows<CPUDevice, T, Acc> {
 
 }  // namespace functor
 
-class SparseBufferCreateOp : public OpKernel {
- public:
-  explicit SparseBufferCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ParseBufferConfig(ctx, &config_));
-    std::string sparse_normalize;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("sparse_normalize", &sparse_normalize));
-    OP_REQUIRES(ctx, sparse_normalize == "num_aggregate" || sparse_normalize == "per_id",
-                errors::InvalidArgument("sparse_normalize must be 'num_aggregate' or 'per_id', "
-                                        "got '", sparse_normalize, "'."));
-    config_.sparse_per_id_divisor = sparse_normalize == "per_id";
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dtype", &dtype_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_rows", &num_rows_));
-    OP_REQUIRES(ctx, num_rows_ >= 0 && num_rows_ < (int64_t{1} << 31),
-                errors::InvalidArgument("num_rows must be in [0, 2^31) per buffer (shard larger "
-                                        "tables), got ", num_rows_, "."));
-    PartialTensorShape row_shape;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("row_shape", &row_shape));
-    OP_REQUIRES(ctx, row_shape.IsFullyDefined() && row_shape.AsTensorShape(&row_shape_),
-                errors::InvalidArgument("row_shape must be fully defined, got ",
-                                        row_shape.DebugString(), "."));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("initial_step", &initial_step_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("container", &container_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("shared_name", &shared_name_));
+template <typename Device, typename T, typename Tindex>
+Status SparseGradientBuffer::Push(OpKernelContext* ctx, const Tindex* ids, const T* rows, int64_t n,
+                                  int64_t token, int64_t ticket, bool finite, bool* ready,
+                                  int64_t* step) {
+  using Acc = Accumulator<T>;
+  ::tensorflow::mutex_lock lock(mu_);
+  // Room in the pool for this push's new ids comes first: when it cannot be allocated, the
+  // buffer must be left as it was (the push can then be retried with the same ticket).
+  const int64_t old_rows = static_cast<int64_t>(touched_.size());
+  TF_RETURN_IF_ERROR((RowPool<Device, Acc>::Reserve(ctx, this, old_rows, old_rows + n)));
+  if (core_.AcceptTicket(ticket)) {  // a ticket seen before: the same push delivered again
+    if (!finite) ++core_.stats().nonfinite;
+    std::vector<int32_t> slot_of(n, -1);
+    std::vector<Acc> weight_of(n, Acc(0));
+    Bookkeep<Tindex, Acc>(ids, n, token, finite, slot_of.data(), weight_of.data());
+    Acc* pool = RowPool<Device, Acc>::Grow(ctx, this, old_rows,
+                                           static_cast<int64_t>(touched_.size()));
+    // The rows are added on the device, after the bookkeeping.
+    functor::SparseAccumulateRows<Device, T, Acc>()(ctx->eigen_device<Device>(), rows, n,
+                                                    row_size_, slot_of.data(), weight_of.data(),
+                                                    pool);
+    const int64_t push_staleness = std::max<int64_t>(0, core_.step() - token);
+    const double push_weight = finite ? config_.decay.Weight(push_staleness) : 0.0;
+    const bool counts = config_.per_id_staleness ? (finite || config_.count_dropped)
+                                                 : (push_weight != 0.0 || config_.count_dropped);
+    if (core_.AddEntry(counts)) {
+      *ready = true;
+      TF_RETURN_IF_ERROR((Aggregate<Device, T, Tindex, Acc>(ctx, pool)));
+      core_.FinishAggregation();
+    }
   }
-  void Compute(OpKernelContext* ctx) override {
-    CreateResourceAndOutputHandle<SparseGradientBuffer>(
-        ctx, container_, shared_name_, [this](SparseGradientBuffer** out) {
-          *out = new SparseGradientBuffer(dtype_, num_rows_, row_shape_, config_, initial_step_);
-          return ::tensorflow::OkStatus();
-        });
-  }
+  *step = core_.step();
+  return ::tensorflow::OkStatus();
+}
 
- private:
-  BufferConfig config_;
-  DataType dtype_;
-  int64_t num_rows_;
-  TensorShape row_shape_;
-  int64_t initial_step_;
-  std::string container_, shared_name_;
-};
+template <typename Tindex, typename Acc>
+void SparseGradientBuffer::Bookkeep(const Tindex* ids, int64_t n, int64_t token, bool finite,
+                                    int32_t* slot_of, Acc* weight_of) {
+  const int64_t seq = ++push_seq_;
+  // Hop-BW (per_id_staleness = false): one decision for the whole push, from its dense
+  // staleness; a push dropped without taking a place in the batch leaves no trace in the
+  // pool (not even in the per-id divisors c(id)), as if it had never been sent.
+  const int64_t push_staleness = std::max<int64_t>(0, core_.step() - token);
+  const double push_weight = finite ? config_.decay.Weight(push_staleness) : 0.0;
+  const bool ignore_push =
+      !config_.per_id_staleness && push_weight == 0.0 && !config_.count_dropped;
+  if (ignore_push) {
+    std::vector<int64_t> unique_ids(ids, ids + n);
+    std::sort(unique_ids.begin(), unique_ids.end());
+    const int64_t num_unique =
+        std::unique(unique_ids.begin(), unique_ids.end()) - unique_ids.begin();
+    for (int64_t i = 0; i < num_unique; ++i) core_.RecordStaleness(push_staleness);
+    core_.stats().dropped += num_unique;
+    return;  // slots stay -1: nothing is added
+  }
+  constexpr int64_t kAhead = 16;  // ids whose slot and tag are fetched ahead (random rows)
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      __builtin_prefetch(&slot_[ids[i + kAhead]], 1);
+      __builtin_prefetch(&tags_[ids[i + kAhead]]);
+    }
+    const int64_t id = static_cast<int64_t>(ids[i]);
+    int32_t& sl = slot_[id];
+    if (sl < 0) {
+      sl = static_cast<int32_t>(touched_.size());
+      touched_.push_back({id, 0, 0, -1});
+    }
+    Touched& t = touched_[sl];
+    const int64_t staleness = config_.per_id_staleness
+                                  ? std::max<int64_t>(0, tags_[id] + 1 - token)
+                                  : push_staleness;
+    const double w = config_.per_id_staleness ? (finite ? config_.decay.Weight(staleness) : 0.0)
+                                              : push_weight;
+    if (t.last_push != seq) {  // duplicates within one push count once
+      t.last_push = seq;
+      ++t.count;
+      core_.RecordStaleness(staleness);
+      if (w == 0.0) {
+        ++core_.stats().dropped;
+      } else {
+        ++t.kept;
+      }
+    }
+    slot_of[i] = w != 0.0 ? sl : -1;
+    weight_of[i] = static_cast<Acc>(w);
+  }
+}
+
+template <typename Device, typename T, typename Tindex, typename Acc>
+Status SparseGradientBuffer::Aggregate(OpKernelContext* ctx, const Acc* pool) {
+  const bool by_kept = config_.normalize == Normalize::kKept;
+  const int64_t m = config_.num_aggregate;
+  std::vector<int32_t> order;
+  std::vector<Acc> inv;
+  order.reserve(touched_.size());
+  inv.reserve(touched_.size());
+  for (int32_t s = 0; s < static_cast<int32_t>(touched_.size()); ++s) {
+    const Touched& t = touched_[s];
+    if (t.kept > 0) {
+      order.push_back(s);
+      int64_t divisor;
+      if (config_.sparse_per_id_divisor) {
+        divisor = by_kept ? t.kept : t.count;
+      } else {
+        // Out of the M entries, those whose weight for this id was 0 are the only ones not
+        // kept (an entry without the id contributes a kept zero row).
+        divisor = by_kept ? std::max<int64_t>(t.kept, m - (t.count - t.kept)) : m;
+      }
+      inv.push_back(Acc(1) / static_cast<Acc>(divisor));
+    }
+  }
+  const int64_t k = static_cast<int64_t>(order.size());
+  Tensor *ids_t, *rows_t;
+  TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({k}), &ids_t));
+  TensorShape rows_shape({k});
+  rows_shape.AppendShape(row_shape_);
+  TF_RETURN_IF_ERROR(ctx->allocate_output(2, rows_shape, &rows_t));
+  Tindex* out_ids = ids_t->vec<Tindex>().data();  // host memory on every device
+  const int64_t step = core_.step();
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t id = touched_[order[i]].id;
+    out_ids[i] = static_cast<Tindex>(id);
+    tags_[id] = step;  // the weights of this batch used the tags from before this line
+  }
+  // Entries are independent (distinct ids): the device writes the scaled rows in parallel.
+  functor::SparseGatherRows<Device, T, Acc>()(ctx->eigen_device<Device>(), pool, row_size_,
+                                              order.data(), inv.data(), k,
+                                              rows_t->flat<T>().data());
+  ClearBatch();
+  return ::tensorflow::OkStatus();
+}
+
+using SparseBufferCreateOp = BufferCreateOp<SparseGradientBuffer>;
+using SparseBufferStatsOp = BufferStatsOp<SparseGradientBuffer>;
 
 template <typename Device, typename T, typename Tindex>
 class SparseBufferPushOp : public OpKernel {
-  using Acc = typename AccumulatorType<T>::type;
-
  public:
   using OpKernel::OpKernel;
 
@@ -269,19 +430,18 @@ class SparseBufferPushOp : public OpKernel {
                                         expected.DebugString(), ", got ",
                                         values.shape().DebugString(), " for ",
                                         buf->DebugString(), "."));
-    auto ids = indices.vec<Tindex>();
+    const Tindex* ids = indices.vec<Tindex>().data();
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t id = static_cast<int64_t>(ids(i));
+      const int64_t id = static_cast<int64_t>(ids[i]);
       OP_REQUIRES(ctx, id >= 0 && id < buf->num_rows(),
                   errors::InvalidArgument("indices[", i, "] = ", id, " is out of range [0, ",
                                           buf->num_rows(), ") of ", buf->DebugString(),
                                           " (ids must be shard-local row numbers)."));
     }
-    const int64_t row_size = buf->row_size();
     const T* rows = values.flat<T>().data();  // in the device's memory
-    const Device& d = ctx->eigen_device<Device>();
-    const bool finite = functor::SparseAllFinite<Device, T>()(d, rows, n * row_size);
-    OP_REQUIRES(ctx, finite || !buf->core_.config().error_on_nonfinite,
+    const bool finite = functor::SparseAllFinite<Device, T>()(ctx->eigen_device<Device>(), rows,
+                                                              n * buf->row_size());
+    OP_REQUIRES(ctx, finite || !buf->error_on_nonfinite(),
                 errors::InvalidArgument("Embedding gradient pushed to ", buf->DebugString(),
                                         " contains NaN or Inf (token ", token,
                                         "). Lower the learning rate or clip gradients, or create "
@@ -289,80 +449,8 @@ class SparseBufferPushOp : public OpKernel {
 
     bool ready = false;
     int64_t step_out;
-    {
-      std::lock_guard<std::mutex> lock(buf->mu);
-      BufferCore& core = buf->core_;
-      // Room in the pool for this push's new ids comes first: when it cannot be allocated, the
-      // buffer must be left as it was (the push can then be retried with the same ticket).
-      const int64_t old_rows = static_cast<int64_t>(buf->touched.size());
-      OP_REQUIRES_OK(ctx,
-                     (RowPool<Device, Acc>::Reserve(ctx, buf.get(), old_rows, old_rows + n)));
-      if (core.AcceptTicket(ticket)) {  // a ticket seen before: the same push delivered again
-        if (!finite) ++core.stats().nonfinite;
-        const int64_t seq = ++buf->push_seq;
-        const BufferConfig& config = core.config();
-        // Hop-BW (per_id_staleness = false): one decision for the whole push, from its dense
-        // staleness; a push dropped without taking a place in the batch leaves no trace in the
-        // pool (not even in the per-id divisors c(id)), as if it had never been sent.
-        const int64_t push_staleness = std::max<int64_t>(0, core.step() - token);
-        const double push_weight = finite ? config.decay.Weight(push_staleness) : 0.0;
-        const bool ignore_push =
-            !config.per_id_staleness && push_weight == 0.0 && !config.count_dropped;
-        std::vector<int32_t> slot_of(n, -1);
-        std::vector<Acc> weight_of(n, Acc(0));
-        if (ignore_push) {
-          std::vector<int64_t> unique_ids(n);
-          for (int64_t i = 0; i < n; ++i) unique_ids[i] = static_cast<int64_t>(ids(i));
-          std::sort(unique_ids.begin(), unique_ids.end());
-          const int64_t num_unique =
-              std::unique(unique_ids.begin(), unique_ids.end()) - unique_ids.begin();
-          for (int64_t i = 0; i < num_unique; ++i) core.RecordStaleness(push_staleness);
-          core.stats().dropped += num_unique;
-        }
-        const int64_t num_bookkept = ignore_push ? 0 : n;  // slots stay -1: nothing is added
-        // The bookkeeping, on the host: each id's slot in the pool and its weight in this push
-        // (slot -1: weight 0, nothing to add). The rows are added afterwards, on the device.
-        for (int64_t i = 0; i < num_bookkept; ++i) {
-          const int64_t id = static_cast<int64_t>(ids(i));
-          int32_t& sl = buf->slot[id];
-          if (sl < 0) {
-            sl = static_cast<int32_t>(buf->touched.size());
-            buf->touched.push_back({id, 0, 0, -1});
-          }
-          SparseGradientBuffer::Touched& t = buf->touched[sl];
-          const int64_t staleness = config.per_id_staleness
-                                        ? std::max<int64_t>(0, buf->tags[id] + 1 - token)
-                                        : push_staleness;
-          const double w = config.per_id_staleness
-                               ? (finite ? config.decay.Weight(staleness) : 0.0)
-                               : push_weight;
-          if (t.last_push != seq) {  // duplicates within one push count once
-            t.last_push = seq;
-            ++t.count;
-            core.RecordStaleness(staleness);
-            if (w == 0.0) {
-              ++core.stats().dropped;
-            } else {
-              ++t.kept;
-            }
-          }
-          slot_of[i] = w != 0.0 ? sl : -1;
-          weight_of[i] = static_cast<Acc>(w);
-        }
-        Acc* pool = RowPool<Device, Acc>::Grow(ctx, buf.get(), old_rows,
-                                               static_cast<int64_t>(buf->touched.size()));
-        functor::SparseAccumulateRows<Device, T, Acc>()(d, rows, n, row_size, slot_of.data(),
-                                                        weight_of.data(), pool);
-        const bool counts = config.per_id_staleness ? (finite || config.count_dropped)
-                                                    : (push_weight != 0.0 || config.count_dropped);
-        if (core.AddEntry(counts)) {
-          ready = true;
-          OP_REQUIRES_OK(ctx, Aggregate(ctx, buf.get(), pool));
-          core.FinishAggregation();
-        }
-      }
-      step_out = core.step();
-    }
+    OP_REQUIRES_OK(ctx, (buf->Push<Device, T, Tindex>(ctx, ids, rows, n, token, ticket, finite,
+                                                      &ready, &step_out)));
 
     Tensor* ready_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &ready_t));
@@ -378,66 +466,6 @@ class SparseBufferPushOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({}), &step_t));
     step_t->scalar<int64_t>()() = step_out;
   }
-
- private:
-  // Writes the aggregate of the completed global batch into outputs 1 and 2 (ids in the order
-  // they were first pushed; ids whose every weight was zero left out), tags the aggregated rows
-  // with the step k being applied, and clears the batch. Caller holds mu.
-  static Status Aggregate(OpKernelContext* ctx, SparseGradientBuffer* buf, const Acc* pool) {
-    const int64_t row_size = buf->row_size();
-    const BufferConfig& config = buf->core_.config();
-    const bool by_kept = config.normalize == Normalize::kKept;
-    const int64_t m = config.num_aggregate;
-    std::vector<int32_t> order;
-    std::vector<Acc> inv;
-    order.reserve(buf->touched.size());
-    inv.reserve(buf->touched.size());
-    for (int32_t s = 0; s < static_cast<int32_t>(buf->touched.size()); ++s) {
-      const SparseGradientBuffer::Touched& t = buf->touched[s];
-      if (t.kept > 0) {
-        order.push_back(s);
-        int64_t divisor;
-        if (config.sparse_per_id_divisor) {
-          divisor = by_kept ? t.kept : t.count;
-        } else {
-          // Out of the M entries, those whose weight for this id was 0 are the only ones not
-          // kept (an entry without the id contributes a kept zero row).
-          divisor = by_kept ? std::max<int64_t>(t.kept, m - (t.count - t.kept)) : m;
-        }
-        inv.push_back(Acc(1) / static_cast<Acc>(divisor));
-      }
-    }
-    const int64_t k = static_cast<int64_t>(order.size());
-    Tensor *ids_t, *rows_t;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({k}), &ids_t));
-    TensorShape rows_shape({k});
-    rows_shape.AppendShape(buf->row_shape());
-    TF_RETURN_IF_ERROR(ctx->allocate_output(2, rows_shape, &rows_t));
-    Tindex* out_ids = ids_t->vec<Tindex>().data();  // host memory on every device
-    const int64_t step = buf->core_.step();
-    for (int64_t i = 0; i < k; ++i) {
-      const int64_t id = buf->touched[order[i]].id;
-      out_ids[i] = static_cast<Tindex>(id);
-      buf->tags[id] = step;  // the weights of this batch used the tags from before this line
-    }
-    // Entries are independent (distinct ids): the device writes the scaled rows in parallel.
-    functor::SparseGatherRows<Device, T, Acc>()(ctx->eigen_device<Device>(), pool, row_size,
-                                                order.data(), inv.data(), k,
-                                                rows_t->flat<T>().data());
-    buf->ClearBatch();
-    return ::tensorflow::OkStatus();
-  }
-};
-
-class SparseBufferStatsOp : public OpKernel {
- public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<SparseGradientBuffer> buf;
-    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &buf));
-    std::lock_guard<std::mutex> lock(buf->mu);
-    WriteBufferStats(ctx, buf->core_);
-  }
 };
 
 class SparseBufferExportOp : public OpKernel {
@@ -446,12 +474,10 @@ class SparseBufferExportOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<SparseGradientBuffer> buf;
     OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &buf));
-    std::lock_guard<std::mutex> lock(buf->mu);
     Tensor *step, *tags;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &step));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({buf->num_rows()}), &tags));
-    step->scalar<int64_t>()() = buf->core_.step();
-    std::copy(buf->tags.begin(), buf->tags.end(), tags->vec<int64_t>().data());
+    buf->Export(&step->scalar<int64_t>()(), tags->vec<int64_t>().data());
   }
 };
 
@@ -477,10 +503,7 @@ class SparseBufferImportOp : public OpKernel {
                   errors::InvalidArgument("row_tags[", i, "] = ", t(i),
                                           " must be in [-1, global_step = ", step, ")."));
     }
-    std::lock_guard<std::mutex> lock(buf->mu);
-    buf->core_.Reset(step);
-    buf->ClearBatch();
-    std::copy(t.data(), t.data() + buf->num_rows(), buf->tags.begin());
+    buf->Import(step, t.data());
   }
 };
 

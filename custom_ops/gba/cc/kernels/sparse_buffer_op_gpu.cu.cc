@@ -17,7 +17,7 @@
 #include <numeric>
 #include <vector>
 
-#include "custom_ops/gba/cc/kernels/gpu_functor_util.h"
+#include "custom_ops/common/gpu_util.h"
 #include "custom_ops/gba/cc/kernels/sparse_buffer_functor.h"
 #include "unsupported/Eigen/CXX11/Tensor"
 

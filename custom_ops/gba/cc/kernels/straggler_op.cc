@@ -13,17 +13,10 @@
 #include <thread>
 #include <vector>
 
-#include "custom_ops/gba/cc/kernels/worker_index.h"
-#include "tensorflow/core/framework/op_kernel.h"
+#include "custom_ops/common/kernel_util.h"
+#include "custom_ops/common/worker_index.h"
 
 namespace tf_gba {
-
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-namespace errors = ::tensorflow::errors;
 
 namespace {
 
@@ -32,12 +25,6 @@ std::atomic<int64_t> g_busy_ns{0};
 std::atomic<int64_t> g_delay_ns{0};
 std::atomic<int64_t> g_first_unix_ns{0};
 std::atomic<int64_t> g_first_mono_ns{0};
-
-int64_t MonoNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 int64_t UnixNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(

@@ -1,19 +1,10 @@
 // Token generator (SPEC section 1, "Tokens"): one per job, on parameter server 0. The i-th fetch
 // returns token floor(i / M); tokens are never waited for, so a worker that dies loses its token.
-#include <mutex>
 
-#include "custom_ops/gba/cc/kernels/resource_util.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/resource_mgr.h"
+#include "custom_ops/common/kernel_util.h"
+#include "custom_ops/common/resource_util.h"
 
 namespace tf_gba {
-
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-namespace errors = ::tensorflow::errors;
 
 class TokenGenerator : public ::tensorflow::ResourceBase {
  public:
@@ -24,25 +15,25 @@ class TokenGenerator : public ::tensorflow::ResourceBase {
     return ::tensorflow::strings::StrCat("GBA TokenGenerator(M=", num_aggregate_, ")");
   }
 
-  void Fetch(int64_t* token, int64_t* ticket) {
-    std::lock_guard<std::mutex> lock(mu_);
+  void Fetch(int64_t* token, int64_t* ticket) TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::mutex_lock lock(mu_);
     *ticket = count_++;
     *token = *ticket / num_aggregate_;
   }
-  int64_t count() {
-    std::lock_guard<std::mutex> lock(mu_);
+  int64_t count() const TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::tf_shared_lock lock(mu_);
     return count_;
   }
-  void Reset(int64_t count) {
-    std::lock_guard<std::mutex> lock(mu_);
+  void Reset(int64_t count) TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::mutex_lock lock(mu_);
     count_ = count;
   }
   int64_t num_aggregate() const { return num_aggregate_; }
 
  private:
   const int64_t num_aggregate_;
-  std::mutex mu_;
-  int64_t count_;
+  mutable ::tensorflow::mutex mu_;
+  int64_t count_ TF_GUARDED_BY(mu_);
 };
 
 class TokenGeneratorCreateOp : public OpKernel {
@@ -50,8 +41,7 @@ class TokenGeneratorCreateOp : public OpKernel {
   explicit TokenGeneratorCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_aggregate", &num_aggregate_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("initial_count", &initial_count_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("container", &container_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("shared_name", &shared_name_));
+    OP_REQUIRES_OK(ctx, name_.FromAttrs(ctx));
     OP_REQUIRES(ctx, num_aggregate_ >= 1,
                 errors::InvalidArgument("num_aggregate (M) must be >= 1, got ", num_aggregate_,
                                         "."));
@@ -60,7 +50,7 @@ class TokenGeneratorCreateOp : public OpKernel {
   }
   void Compute(OpKernelContext* ctx) override {
     CreateResourceAndOutputHandle<TokenGenerator>(
-        ctx, container_, shared_name_, [this](TokenGenerator** out) {
+        ctx, name_, [this](TokenGenerator** out) {
           *out = new TokenGenerator(num_aggregate_, initial_count_);
           return ::tensorflow::OkStatus();
         });
@@ -68,7 +58,7 @@ class TokenGeneratorCreateOp : public OpKernel {
 
  private:
   int64_t num_aggregate_, initial_count_;
-  std::string container_, shared_name_;
+  ResourceName name_;
 };
 
 class TokenGeneratorFetchOp : public OpKernel {

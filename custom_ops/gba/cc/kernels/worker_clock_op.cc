@@ -11,45 +11,29 @@
 // step's cancellation, or by the clock's destruction.
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <cstdlib>
 #include <limits>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#include "custom_ops/gba/cc/kernels/resource_util.h"
-#include "custom_ops/gba/cc/kernels/worker_index.h"
+#include "custom_ops/common/kernel_util.h"
+#include "custom_ops/common/resource_util.h"
+#include "custom_ops/common/worker_index.h"
 #include "tensorflow/core/framework/cancellation.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/resource_mgr.h"
 
 namespace tf_gba {
 
-using ::tensorflow::AsyncOpKernel;
 using ::tensorflow::CancellationManager;
 using ::tensorflow::CancellationToken;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-namespace errors = ::tensorflow::errors;
 
 namespace {
 
 constexpr int64_t kNoDeadline = std::numeric_limits<int64_t>::max();
-
-int64_t MonoNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // A blocked wait: what it takes to finish its op later, from whichever thread releases it.
 struct Waiter {
@@ -108,18 +92,19 @@ void Finish(std::vector<Release>* releases) {
 class ClockState : public std::enable_shared_from_this<ClockState> {
  public:
   explicit ClockState(int64_t num_workers)
-      : completed_(num_workers, 0),
+      : num_workers_(num_workers),
+        completed_(num_workers, 0),
         blocked_ns_(num_workers, 0),
         waits_(num_workers, 0),
         timeouts_(num_workers, 0),
         waiting_(num_workers, 0) {}
 
-  int64_t num_workers() const { return static_cast<int64_t>(completed_.size()); }
+  int64_t num_workers() const { return num_workers_; }
 
-  void Wait(Waiter w) {
+  void Wait(Waiter w) TF_LOCKS_EXCLUDED(mu_) {
     std::vector<Release> out;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      ::tensorflow::mutex_lock lock(mu_);
       if (shutdown_) {
         out.push_back(Fail(std::move(w), errors::Cancelled(kDestroyed), true));
       } else if (Allowed(w.worker, w.bound)) {
@@ -145,20 +130,20 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
     Finish(&out);
   }
 
-  void Tick(int64_t worker) {
+  void Tick(int64_t worker) TF_LOCKS_EXCLUDED(mu_) {
     std::vector<Release> out;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      ::tensorflow::mutex_lock lock(mu_);
       ++completed_[worker];
       ReleaseAllowed(&out);
     }
     Finish(&out);
   }
 
-  void Reset() {
+  void Reset() TF_LOCKS_EXCLUDED(mu_) {
     std::vector<Release> out;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      ::tensorflow::mutex_lock lock(mu_);
       std::fill(completed_.begin(), completed_.end(), 0);
       std::fill(blocked_ns_.begin(), blocked_ns_.end(), 0);
       std::fill(waits_.begin(), waits_.end(), 0);
@@ -171,8 +156,8 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
 
   void Stats(std::vector<int64_t>* completed, std::vector<int64_t>* blocked_ns,
              std::vector<int64_t>* waits, std::vector<int64_t>* timeouts, int64_t* max_lead,
-             std::vector<int64_t>* waiting) {
-    std::lock_guard<std::mutex> lock(mu_);
+             std::vector<int64_t>* waiting) TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::mutex_lock lock(mu_);
     *completed = completed_;
     *blocked_ns = blocked_ns_;
     *waits = waits_;
@@ -182,11 +167,11 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
   }
 
   // Called when the resource is destroyed: fails every blocked wait and stops the timer thread.
-  void Shutdown() {
+  void Shutdown() TF_LOCKS_EXCLUDED(mu_) {
     std::vector<Release> out;
     std::thread timer;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      ::tensorflow::mutex_lock lock(mu_);
       shutdown_ = true;
       for (auto& entry : waiters_) {
         out.push_back(Fail(std::move(entry.second), errors::Cancelled(kDestroyed), false));
@@ -214,14 +199,16 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
       "The worker clock was destroyed while this wait was blocked.";
   static constexpr const char* kCancelled = "Worker clock wait cancelled.";
 
-  // completed[worker] - min_j completed[j] <= bound. Requires mu_.
-  bool Allowed(int64_t worker, int64_t bound) const { return Lead(worker) <= bound; }
-  int64_t Lead(int64_t worker) const {
+  // completed[worker] - min_j completed[j] <= bound.
+  bool Allowed(int64_t worker, int64_t bound) const TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return Lead(worker) <= bound;
+  }
+  int64_t Lead(int64_t worker) const TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return completed_[worker] - *std::min_element(completed_.begin(), completed_.end());
   }
 
-  // The bookkeeping of a wait that returns with its condition true. Requires mu_.
-  Release Proceed(Waiter w, int64_t now) {
+  // The bookkeeping of a wait that returns with its condition true.
+  Release Proceed(Waiter w, int64_t now) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Release r;
     r.waited_ns = std::max<int64_t>(0, now - w.start_ns);
     blocked_ns_[w.worker] += r.waited_ns;
@@ -231,8 +218,8 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
     return r;
   }
 
-  // The bookkeeping of a wait that gives up after its timeout. Requires mu_.
-  Release TimeOut(Waiter w, int64_t now) {
+  // The bookkeeping of a wait that gives up after its timeout.
+  Release TimeOut(Waiter w, int64_t now) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Release r;
     r.waited_ns = std::max<int64_t>(0, now - w.start_ns);
     r.timed_out = true;
@@ -252,7 +239,7 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
     return r;
   }
 
-  void Park(uint64_t id, Waiter w) {  // requires mu_
+  void Park(uint64_t id, Waiter w) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const int64_t deadline = w.deadline_ns;
     ++waiting_[w.worker];
     waiters_.emplace(id, std::move(w));
@@ -267,8 +254,8 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
     }
   }
 
-  // Takes a blocked wait out of the clock. Requires mu_.
-  Waiter Take(std::map<uint64_t, Waiter>::iterator it) {
+  // Takes a blocked wait out of the clock.
+  Waiter Take(std::map<uint64_t, Waiter>::iterator it) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const uint64_t id = it->first;
     Waiter w = std::move(it->second);
     waiters_.erase(it);
@@ -277,8 +264,8 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
     return w;
   }
 
-  // Releases every waiter whose condition holds now. Requires mu_.
-  void ReleaseAllowed(std::vector<Release>* out) {
+  // Releases every waiter whose condition holds now.
+  void ReleaseAllowed(std::vector<Release>* out) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const int64_t now = MonoNs();
     for (auto it = waiters_.begin(); it != waiters_.end();) {
       auto next = std::next(it);
@@ -290,10 +277,10 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
   }
 
   // The step of a blocked wait was cancelled.
-  void Cancel(uint64_t id) {
+  void Cancel(uint64_t id) TF_LOCKS_EXCLUDED(mu_) {
     std::vector<Release> out;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      ::tensorflow::mutex_lock lock(mu_);
       auto it = waiters_.find(id);
       if (it == waiters_.end()) return;  // already released
       out.push_back(Fail(Take(it), errors::Cancelled(kCancelled), true));
@@ -301,39 +288,48 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
     Finish(&out);
   }
 
-  // Releases waits whose timeout has passed; sleeps until the earliest deadline otherwise.
-  void TimerLoop() {
-    std::unique_lock<std::mutex> lock(mu_);
+  // Releases waits whose timeout has passed; sleeps until the earliest deadline otherwise. The
+  // released waits are finished outside the lock (their `done` may come back to the clock).
+  void TimerLoop() TF_LOCKS_EXCLUDED(mu_) {
     std::vector<Release> out;
-    while (!shutdown_) {
-      if (deadlines_.empty()) {
-        timer_cv_.wait(lock);
-        continue;
+    for (;;) {
+      {
+        ::tensorflow::mutex_lock lock(mu_);
+        while (!shutdown_ && out.empty()) {
+          if (deadlines_.empty()) {
+            timer_cv_.wait(lock);
+            continue;
+          }
+          const int64_t now = MonoNs();
+          const int64_t first = deadlines_.begin()->first;
+          if (first > now) {
+            timer_cv_.wait_for(lock, std::chrono::nanoseconds(first - now));
+            continue;
+          }
+          while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+            out.push_back(TimeOut(Take(waiters_.find(deadlines_.begin()->second)), now));
+          }
+        }
+        if (out.empty()) return;  // shut down
       }
-      const int64_t now = MonoNs();
-      const int64_t first = deadlines_.begin()->first;
-      if (first > now) {
-        timer_cv_.wait_for(lock, std::chrono::nanoseconds(first - now));
-        continue;
-      }
-      while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
-        out.push_back(TimeOut(Take(waiters_.find(deadlines_.begin()->second)), now));
-      }
-      lock.unlock();
       Finish(&out);
-      lock.lock();
     }
   }
 
-  std::mutex mu_;
-  std::condition_variable timer_cv_;
-  std::vector<int64_t> completed_, blocked_ns_, waits_, timeouts_, waiting_;
-  int64_t max_lead_ = 0;
-  uint64_t next_id_ = 0;
-  std::map<uint64_t, Waiter> waiters_;
-  std::set<std::pair<int64_t, uint64_t>> deadlines_;  // (deadline_ns, waiter id)
-  std::thread timer_;  // started by the first wait with a timeout
-  bool shutdown_ = false;
+  const int64_t num_workers_;
+  ::tensorflow::mutex mu_;
+  ::tensorflow::condition_variable timer_cv_;
+  std::vector<int64_t> completed_ TF_GUARDED_BY(mu_);
+  std::vector<int64_t> blocked_ns_ TF_GUARDED_BY(mu_);
+  std::vector<int64_t> waits_ TF_GUARDED_BY(mu_);
+  std::vector<int64_t> timeouts_ TF_GUARDED_BY(mu_);
+  std::vector<int64_t> waiting_ TF_GUARDED_BY(mu_);
+  int64_t max_lead_ TF_GUARDED_BY(mu_) = 0;
+  uint64_t next_id_ TF_GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, Waiter> waiters_ TF_GUARDED_BY(mu_);
+  std::set<std::pair<int64_t, uint64_t>> deadlines_ TF_GUARDED_BY(mu_);  // (deadline_ns, id)
+  std::thread timer_ TF_GUARDED_BY(mu_);  // started by the first wait with a timeout
+  bool shutdown_ TF_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace
@@ -382,13 +378,12 @@ class WorkerClockCreateOp : public OpKernel {
  public:
   explicit WorkerClockCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_workers", &num_workers_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("container", &container_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("shared_name", &shared_name_));
+    OP_REQUIRES_OK(ctx, name_.FromAttrs(ctx));
     OP_REQUIRES(ctx, num_workers_ >= 1,
                 errors::InvalidArgument("num_workers must be >= 1, got ", num_workers_, "."));
   }
   void Compute(OpKernelContext* ctx) override {
-    CreateResourceAndOutputHandle<WorkerClock>(ctx, container_, shared_name_,
+    CreateResourceAndOutputHandle<WorkerClock>(ctx, name_,
                                                [this](WorkerClock** out) {
                                                  *out = new WorkerClock(num_workers_);
                                                  return ::tensorflow::OkStatus();
@@ -397,7 +392,7 @@ class WorkerClockCreateOp : public OpKernel {
 
  private:
   int64_t num_workers_;
-  std::string container_, shared_name_;
+  ResourceName name_;
 };
 
 class WorkerClockWaitOp : public AsyncOpKernel {

@@ -41,15 +41,16 @@ Status BufferStatsShape(InferenceContext* c) {
 }
 
 // Attributes of every buffer: M, the decay rule, normalisation, policies and statistics sizes.
+// Attributes that are a choice list their values, so TensorFlow rejects any other one.
 #define GBA_BUFFER_ATTRS                                  \
-  Attr("num_aggregate: int")                              \
-      .Attr("staleness_threshold: int = 3")               \
-      .Attr("decay: string = 'threshold'")                \
-      .Attr("decay_alpha: float = 0.5")                   \
-      .Attr("normalize: string = 'num_aggregate'")        \
-      .Attr("count_dropped: bool = true")                 \
-      .Attr("per_id_staleness: bool = true")              \
-      .Attr("nonfinite: string = 'drop'")                 \
+  Attr("num_aggregate: int")                                  \
+      .Attr("staleness_threshold: int = 3")                   \
+      .Attr("decay: {'threshold', 'exponential'} = 'threshold'") \
+      .Attr("decay_alpha: float = 0.5")                       \
+      .Attr("normalize: {'num_aggregate', 'kept'} = 'num_aggregate'") \
+      .Attr("count_dropped: bool = true")                     \
+      .Attr("per_id_staleness: bool = true")                  \
+      .Attr("nonfinite: {'drop', 'error'} = 'drop'")          \
       .Attr("histogram_bins: int = 16")                   \
       .Attr("dedupe_window: int = 65536")                 \
       .Attr("initial_step: int = 0")                      \

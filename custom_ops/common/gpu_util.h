@@ -1,4 +1,4 @@
-// Helpers shared by the GPU functors of the GBA buffers (*_gpu.cu.cc); nvcc only.
+// Helpers shared by the GPU functors of every op library (*_gpu.cu.cc); nvcc only.
 //
 // The op libraries are compiled by nvcc from a CUDA toolkit that need not be the one TensorFlow
 // was built with (see docs/building.md), so these helpers only pass plain handles across that
@@ -6,8 +6,8 @@
 // Eigen::GpuDevice's cudaDeviceProp (deviceProperties(), getNumGpuMultiProcessors(), ...), whose
 // layout differs between CUDA releases, and they call the CUDA runtime directly so that every
 // error is checked.
-#ifndef TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_GPU_FUNCTOR_UTIL_H_
-#define TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_GPU_FUNCTOR_UTIL_H_
+#ifndef TF_GBA_CUSTOM_OPS_COMMON_GPU_UTIL_H_
+#define TF_GBA_CUSTOM_OPS_COMMON_GPU_UTIL_H_
 
 #if GOOGLE_CUDA && defined(__CUDACC__)
 
@@ -132,4 +132,4 @@ bool AllFinite(const GPUDevice& d, const T* x, int64_t n) {
 
 #endif  // GOOGLE_CUDA && defined(__CUDACC__)
 
-#endif  // TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_GPU_FUNCTOR_UTIL_H_
+#endif  // TF_GBA_CUSTOM_OPS_COMMON_GPU_UTIL_H_

@@ -1,7 +1,7 @@
 // Which worker a kernel runs on, read from its own device name: the straggler ops and the worker
 // clock run on the worker's CPU, /job:worker/replica:0/task:<i>.
-#ifndef TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_WORKER_INDEX_H_
-#define TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_WORKER_INDEX_H_
+#ifndef TF_GBA_CUSTOM_OPS_COMMON_WORKER_INDEX_H_
+#define TF_GBA_CUSTOM_OPS_COMMON_WORKER_INDEX_H_
 
 #include <cstdint>
 #include <cstdlib>
@@ -18,4 +18,4 @@ inline int64_t WorkerIndex(const std::string& device) {
 
 }  // namespace tf_gba
 
-#endif  // TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_WORKER_INDEX_H_
+#endif  // TF_GBA_CUSTOM_OPS_COMMON_WORKER_INDEX_H_

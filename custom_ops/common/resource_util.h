@@ -1,37 +1,42 @@
 // Creating and looking up the ref-counted resources behind the GBA handles.
-#ifndef TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_RESOURCE_UTIL_H_
-#define TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_RESOURCE_UTIL_H_
+#ifndef TF_GBA_CUSTOM_OPS_COMMON_RESOURCE_UTIL_H_
+#define TF_GBA_CUSTOM_OPS_COMMON_RESOURCE_UTIL_H_
 
 #include <functional>
 #include <string>
 
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/resource_mgr.h"
-#include "tensorflow/core/framework/tensor.h"
+#include "custom_ops/common/kernel_util.h"
 
 namespace tf_gba {
 
-using ::tensorflow::Status;
+// The container/shared_name attributes every resource-creating op has.
+struct ResourceName {
+  std::string container, shared_name;
+
+  Status FromAttrs(::tensorflow::OpKernelConstruction* ctx) {
+    TF_RETURN_IF_ERROR(ctx->GetAttr("container", &container));
+    return ctx->GetAttr("shared_name", &shared_name);
+  }
+};
 
 // Finds the resource named by the op's container/shared_name attributes, creating it with
 // `create` if absent, and outputs its handle. Re-running the op (e.g. the same handle created
 // again by a retried function) finds the existing resource instead of replacing it.
 template <typename R>
-void CreateResourceAndOutputHandle(::tensorflow::OpKernelContext* ctx, const std::string& container,
-                                   const std::string& shared_name,
+void CreateResourceAndOutputHandle(::tensorflow::OpKernelContext* ctx, const ResourceName& name,
                                    const std::function<Status(R**)>& create) {
   ::tensorflow::ResourceMgr* rm = ctx->resource_manager();
-  const std::string& c = container.empty() ? rm->default_container() : container;
-  OP_REQUIRES(ctx, !shared_name.empty(),
+  const std::string& c = name.container.empty() ? rm->default_container() : name.container;
+  OP_REQUIRES(ctx, !name.shared_name.empty(),
               ::tensorflow::errors::InvalidArgument(
                   "A GBA resource needs a non-empty shared_name, unique per buffer."));
   R* resource = nullptr;
-  OP_REQUIRES_OK(ctx, rm->LookupOrCreate<R>(c, shared_name, &resource, create));
+  OP_REQUIRES_OK(ctx, rm->LookupOrCreate<R>(c, name.shared_name, &resource, create));
   resource->Unref();
   ::tensorflow::Tensor* out;
   OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ::tensorflow::TensorShape({}), &out));
   out->scalar<::tensorflow::ResourceHandle>()() =
-      ::tensorflow::MakeResourceHandle<R>(ctx, c, shared_name);
+      ::tensorflow::MakeResourceHandle<R>(ctx, c, name.shared_name);
 }
 
 inline Status ReadScalarInt64(::tensorflow::OpKernelContext* ctx, int index, const char* what,
@@ -47,4 +52,4 @@ inline Status ReadScalarInt64(::tensorflow::OpKernelContext* ctx, int index, con
 
 }  // namespace tf_gba
 
-#endif  // TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_RESOURCE_UTIL_H_
+#endif  // TF_GBA_CUSTOM_OPS_COMMON_RESOURCE_UTIL_H_
