@@ -74,8 +74,9 @@ class DenseBufferLogic:
     iota = self.config.staleness_threshold
     if self.config.decay == "threshold":
       return np.where(s <= iota, 1.0, 0.0)
-    return np.where(s <= iota, 1.0,
-                    np.power(float(self.config.decay_alpha), np.maximum(s - iota, 0)))
+    # The op's decay_alpha attribute is a float32: decide with that value, not the Python float.
+    alpha = float(np.float32(self.config.decay_alpha))
+    return np.where(s <= iota, 1.0, np.power(alpha, np.maximum(s - iota, 0)))
 
   def _record(self, staleness: np.ndarray, weight: np.ndarray) -> None:
     s = np.maximum(staleness, 0)
@@ -106,6 +107,31 @@ class DenseBufferLogic:
                         ready=np.zeros(n, bool), step_after=np.empty(n, np.int64), divisors=[])
     m = int(self.config.num_aggregate)
     count_dropped = self.config.count_dropped
+    if count_dropped and self.config.normalize == "num_aggregate" and n:
+      # Every push takes a place: the j-th push of this call is part of global step
+      # step + (entries + j) // M, whatever is decided about it; no loop needed.
+      pos = self.entries + np.arange(n, dtype=np.int64)
+      agg = self.step + pos // m
+      s = agg - tokens
+      w = self.weights(s)
+      self._record(s, w)
+      ready = (pos + 1) % m == 0
+      out.staleness[:] = s
+      out.weight[:] = w
+      out.counted[:] = True
+      out.aggregation[:] = agg
+      out.ready[:] = ready
+      out.step_after[:] = agg + ready
+      done = int(np.count_nonzero(ready))
+      out.divisors.extend([m] * done)
+      self.step += done
+      self.aggregations += done
+      self.entries = int((self.entries + n) % m)
+      # Pushes after the last completed batch carry over; their kept count too.
+      last_ready = int(np.flatnonzero(ready)[-1]) if done else -1
+      self.kept = (self.kept if done == 0 else 0) + int(
+          np.count_nonzero(w[last_ready + 1:] != 0.0))
+      return out
     i = 0
     while i < n:
       need = m - self.entries

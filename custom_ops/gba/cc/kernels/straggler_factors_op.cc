@@ -1,6 +1,7 @@
 // The straggler slowdowns a profile gives, without sleeping: for the cluster simulator
 // (tf_gba.simulate), which must slow its simulated workers exactly as GBA>StepEnd slows real ones.
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 
@@ -46,15 +47,14 @@ class StragglerFactorsOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &floor));
     floor->scalar<double>()() = floor_ns_ * 1e-9;
     auto f = out->vec<double>();
-    // One parsed profile per worker (persistent and trace parts differ between workers).
-    std::unordered_map<int64_t, StragglerProfile> by_worker;
+    std::lock_guard<std::mutex> lock(mu_);
     for (int64_t i = 0; i < w.size(); ++i) {
       OP_REQUIRES(ctx, w(i) >= 0 && s(i) >= 0,
                   errors::InvalidArgument("workers and steps must be >= 0, got worker ", w(i),
                                           " step ", s(i), "."));
-      auto it = by_worker.find(w(i));
-      if (it == by_worker.end()) {
-        it = by_worker.emplace(w(i), StragglerProfile()).first;
+      auto it = by_worker_.find(w(i));
+      if (it == by_worker_.end()) {
+        it = by_worker_.emplace(w(i), StragglerProfile()).first;
         OP_REQUIRES_OK(ctx, it->second.Parse(profile_, w(i)));
       }
       f(i) = it->second.Factor(seed_, s(i), e(i));
@@ -65,6 +65,10 @@ class StragglerFactorsOp : public OpKernel {
   std::string profile_;
   int64_t seed_;
   int64_t floor_ns_ = 0;
+  // One parsed profile per worker (persistent and trace parts differ between workers), kept
+  // across calls: the simulator asks for the same workers at every step.
+  std::mutex mu_;
+  std::unordered_map<int64_t, StragglerProfile> by_worker_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("GBA>StragglerFactors").Device(::tensorflow::DEVICE_CPU),
