@@ -116,6 +116,7 @@ class Events:
   start: np.ndarray      # seconds: pull and token fetch
   finish: np.ndarray     # seconds: push arrives at the PS
   token: np.ndarray      # filled after the timeline (token generator order, or the version read)
+  ready: np.ndarray      # when the worker pushed its previous step (start - ready: blocked)
 
 
 @dataclasses.dataclass
@@ -185,20 +186,23 @@ class _Timeline:
   """Collects started steps, one vector of workers at a time."""
 
   def __init__(self):
-    self.parts = {k: [] for k in ("worker", "index", "start", "finish", "token", "busy")}
+    self.parts = {k: [] for k in ("worker", "index", "start", "finish", "token", "busy", "ready")}
 
-  def add(self, worker, index, start, finish, busy, token=None):
+  def add(self, worker, index, start, finish, busy, ready, token=None):
+    """`ready`: when the worker had pushed its previous step (start - ready is time blocked)."""
     self.parts["worker"].append(np.asarray(worker, np.int32))
     self.parts["index"].append(np.asarray(index, np.int32))
     self.parts["start"].append(np.asarray(start, np.float64))
     self.parts["finish"].append(np.asarray(finish, np.float64))
     self.parts["busy"].append(np.asarray(busy, np.float64))
+    self.parts["ready"].append(np.asarray(ready, np.float64))
     if token is not None:
       self.parts["token"].append(np.asarray(token, np.int64))
 
   def events(self):
     cat = {k: (np.concatenate(v) if v else None) for k, v in self.parts.items()}
-    ev = Events(cat["worker"], cat["index"], cat["start"], cat["finish"], cat["token"])
+    ev = Events(cat["worker"], cat["index"], cat["start"], cat["finish"], cat["token"],
+                cat["ready"])
     return ev, cat["busy"]
 
 
@@ -218,7 +222,7 @@ def _free_running(config: SimConfig, dur: _Durations, barrier_bound: Optional[in
       start = np.maximum(prev_finish, all_done[s - barrier_bound - 1])
     d, busy = dur(workers, np.full(n, s), start)
     finish = start + d
-    tl.add(workers, np.full(n, s), start, finish, busy)
+    tl.add(workers, np.full(n, s), start, finish, busy, prev_finish)
     all_done.append(float(finish.max()))
     s += 1
     if s >= check_at:
@@ -234,11 +238,7 @@ def _free_running(config: SimConfig, dur: _Durations, barrier_bound: Optional[in
 
 def _blocked_seconds(ev: Events, end: float) -> float:
   """Time workers spent between pushing a step and starting the next (barriers), up to `end`."""
-  order = np.lexsort((ev.index, ev.worker))
-  w, start, finish = ev.worker[order], ev.start[order], ev.finish[order]
-  same = w[1:] == w[:-1]
-  gap = np.minimum(start[1:], end) - np.minimum(finish[:-1], end)
-  return float(np.clip(gap[same], 0.0, None).sum())
+  return float(np.clip(np.minimum(ev.start, end) - np.minimum(ev.ready, end), 0.0, None).sum())
 
 
 def _buffered(mode: str, config: SimConfig, ev: Events, busy: np.ndarray,
@@ -294,7 +294,7 @@ def _sync(config: SimConfig, dur: _Durations) -> SimResult:
     start = np.full(n, t)
     d, busy = dur(workers, np.full(n, s), start)
     finish = start + d
-    tl.add(workers, np.full(n, s), start, finish, busy, token=np.full(n, s))
+    tl.add(workers, np.full(n, s), start, finish, busy, start, token=np.full(n, s))
     t = float(finish.max())
   ev, busy = tl.events()
   order = _order(ev.finish, ev.worker)
@@ -334,7 +334,8 @@ def _hop_bw(config: SimConfig, dur: _Durations) -> SimResult:
     # Workers that start a step on version k: the waiting ones and the late ones freed in time.
     starts = waiting | (fin < next_time)
     idx = np.flatnonzero(starts)
-    tl.add(idx, steps_started[idx], start[idx], cand[idx], busy[idx], token=np.full(idx.size, k))
+    tl.add(idx, steps_started[idx], start[idx], cand[idx], busy[idx], fin[idx],
+           token=np.full(idx.size, k))
     finishes.append(cand[idx])
     total += idx.size
     steps_started[idx] += 1

@@ -83,7 +83,8 @@ class DenseBufferLogic:
     self.staleness_sum += int(s.sum())
     if s.size:
       self.staleness_max = max(self.staleness_max, int(s.max()))
-    np.add.at(self.histogram, np.minimum(s, self.config.histogram_bins - 1), 1)
+    bins = self.config.histogram_bins
+    self.histogram += np.bincount(np.minimum(s, bins - 1), minlength=bins)
     self.dropped += int(np.count_nonzero(weight == 0.0))
     self.pushes += int(s.size)
 
