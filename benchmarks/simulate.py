@@ -47,12 +47,14 @@ def _plot(rows, modes, profile, out_dir):
               lambda r: 100.0 * r["idle_fraction"], False)]
   os.makedirs(out_dir, exist_ok=True)
   paths = []
+  styles = ["-", "--", ":", "-.", "-", "--"]  # async, GBA and BSP share QPS: keep all visible
   for name, label, value, log in figures:
     fig, ax = plt.subplots(figsize=(4.2, 3.0), dpi=90)
-    for mode in modes:
+    for i, mode in enumerate(modes):
       pts = [(r["num_workers"], value(r)) for r in rows if r["mode"] == mode]
       pts.sort()
-      ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=mode)
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=mode,
+              linestyle=styles[i % len(styles)], linewidth=2.2 - 0.3 * i)
     ax.set_xscale("log", base=2)
     if log:
       ax.set_yscale("symlog", linthresh=1.0)

@@ -321,3 +321,16 @@ def test_bad_configuration(kwargs, message):
 def test_bad_mode():
   with pytest.raises(ValueError, match="mode must be one of"):
     simulate("ssp", SimConfig())
+
+
+def test_trace_profile_slows_the_window_it_names(tmp_path):
+  trace = tmp_path / "trace.json"
+  trace.write_text('{"window_seconds": 5, "workers": {"2": [1, 3, 1]}}')
+  config = SimConfig(num_workers=4, steps=150, stragglers=f"trace:{trace}")
+  ev = simulate("sync", config).extra["events"]
+  c, comm = _step_s(config)
+  for s in range(config.steps):
+    t = ev.start[ev.index == s][0]
+    slow = 3.0 if 5.0 <= t < 10.0 else 1.0
+    assert ev.finish[ev.index == s].max() - t == pytest.approx(comm + c * slow), s
+  assert np.any((ev.start >= 5.0) & (ev.start < 10.0)) and ev.start.max() > 10.0
