@@ -72,12 +72,18 @@ class SimConfig:
   hop_bs_bound: int = 2                      # b1
   hop_bw_backup: Optional[int] = None        # b3; None: max(1, round(N / 5))
   histogram_bins: int = 16
+  # Where a step's slowdown lies. False: inside the compute, before the push (a slow machine).
+  # True: after the push, as the project's injected stragglers do (GBA>StepEnd sleeps at the end
+  # of the step, after the gradient was pushed): the push leaves after pull + work_ms + push, and
+  # the worker is free again max(that, compute) x factor after the step began.
+  delay_after_push: bool = False
+  work_ms: float = 10.0
 
   def __post_init__(self):
     for name in ("num_workers", "num_ps", "steps", "local_batch_size"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-    for name in ("compute_ms", "pull_ms", "push_ms", "latency_ms"):
+    for name in ("compute_ms", "pull_ms", "push_ms", "latency_ms", "work_ms"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
     if self.iota < 0:
@@ -116,7 +122,10 @@ class Events:
   start: np.ndarray      # seconds: pull and token fetch
   finish: np.ndarray     # seconds: push arrives at the PS
   token: np.ndarray      # filled after the timeline (token generator order, or the version read)
-  ready: np.ndarray      # when the worker pushed its previous step (start - ready: blocked)
+  ready: np.ndarray      # when the worker was free after its previous step (start - ready:
+                         # blocked)
+  end: np.ndarray        # when the worker is free after this step (= finish unless the
+                         # slowdown comes after the push)
 
 
 @dataclasses.dataclass
@@ -159,6 +168,8 @@ class _Durations:
     self.pull = (config.latency_ms + config.pull_ms / p) * 1e-3
     self.push = (config.latency_ms + config.push_ms / p) * 1e-3
     self.compute = max(config.compute_ms * 1e-3, floor)
+    self.after_push = config.delay_after_push
+    self.work = config.work_ms * 1e-3
 
   def factors(self, workers, steps, elapsed):
     f, floor = self._ops.gba_straggler_factors(
@@ -167,10 +178,17 @@ class _Durations:
     return f.numpy(), float(floor.numpy())
 
   def __call__(self, workers, steps, start):
-    """Durations (s) of step `steps[i]` of worker `workers[i]` started at `start[i]`."""
+    """For step `steps[i]` of worker `workers[i]` started at `start[i]`: (push, end, busy), the
+    seconds after the start at which its gradient reaches the PS and at which the worker is free
+    for its next step, and its compute (or, with delay_after_push, stretched) time."""
     # Every simulated worker starts its first step at time 0: elapsed time is the start time.
     f, _ = self.factors(workers, steps, start)
-    return self.pull + self.compute * f + self.push, self.compute * f
+    if not self.after_push:
+      d = self.pull + self.compute * f + self.push
+      return d, d, self.compute * f
+    push = np.full(f.shape, self.pull + self.work + self.push)
+    end = np.maximum(push, self.compute) * f
+    return push, end, end
 
 
 def _order(times: np.ndarray, workers: np.ndarray) -> np.ndarray:
@@ -186,9 +204,10 @@ class _Timeline:
   """Collects started steps, one vector of workers at a time."""
 
   def __init__(self):
-    self.parts = {k: [] for k in ("worker", "index", "start", "finish", "token", "busy", "ready")}
+    self.parts = {k: [] for k in ("worker", "index", "start", "finish", "token", "busy", "ready",
+                                  "end")}
 
-  def add(self, worker, index, start, finish, busy, ready, token=None):
+  def add(self, worker, index, start, finish, busy, ready, token=None, end=None):
     """`ready`: when the worker had pushed its previous step (start - ready is time blocked)."""
     self.parts["worker"].append(np.asarray(worker, np.int32))
     self.parts["index"].append(np.asarray(index, np.int32))
@@ -196,13 +215,14 @@ class _Timeline:
     self.parts["finish"].append(np.asarray(finish, np.float64))
     self.parts["busy"].append(np.asarray(busy, np.float64))
     self.parts["ready"].append(np.asarray(ready, np.float64))
+    self.parts["end"].append(np.asarray(finish if end is None else end, np.float64))
     if token is not None:
       self.parts["token"].append(np.asarray(token, np.int64))
 
   def events(self):
     cat = {k: (np.concatenate(v) if v else None) for k, v in self.parts.items()}
     ev = Events(cat["worker"], cat["index"], cat["start"], cat["finish"], cat["token"],
-                cat["ready"])
+                cat["ready"], cat["end"])
     return ev, cat["busy"]
 
 
@@ -212,18 +232,19 @@ def _free_running(config: SimConfig, dur: _Durations, barrier_bound: Optional[in
   n, target = config.num_workers, config.steps * config.num_workers
   workers = np.arange(n)
   tl = _Timeline()
-  prev_finish = np.zeros(n)
+  prev_end = np.zeros(n)
   all_done = []           # all_done[s]: when every worker has finished its step s
   check_at = config.steps
   s = 0
   while True:
-    start = prev_finish
+    start = prev_end
     if barrier_bound is not None and s - barrier_bound - 1 >= 0:
-      start = np.maximum(prev_finish, all_done[s - barrier_bound - 1])
-    d, busy = dur(workers, np.full(n, s), start)
-    finish = start + d
-    tl.add(workers, np.full(n, s), start, finish, busy, prev_finish)
-    all_done.append(float(finish.max()))
+      start = np.maximum(prev_end, all_done[s - barrier_bound - 1])
+    push, end, busy = dur(workers, np.full(n, s), start)
+    finish, end = start + push, start + end
+    tl.add(workers, np.full(n, s), start, finish, busy, prev_end, end=end)
+    # A worker counts a step as finished (Hop-BS's clock) once it is free again.
+    all_done.append(float(end.max()))
     s += 1
     if s >= check_at:
       # Every step finishing before min(finish) has been generated (a worker's later steps
@@ -233,7 +254,7 @@ def _free_running(config: SimConfig, dur: _Durations, barrier_bound: Optional[in
       if np.count_nonzero(ev.finish <= float(finish.min())) >= target:
         return ev, busy_all
       check_at = s + max(1, s // 8)
-    prev_finish = finish
+    prev_end = end
 
 
 def _blocked_seconds(ev: Events, end: float) -> float:
@@ -274,7 +295,7 @@ def _result(mode, config, end, push_order, ev, busy) -> SimResult:
   n = config.num_workers
   per_worker = np.bincount(ev.worker[push_order], minlength=n)
   # Busy time within [0, end]: every step's pull + compute + push, clipped at the end.
-  d = np.clip(np.minimum(ev.finish, end) - ev.start, 0.0, None)
+  d = np.clip(np.minimum(ev.end, end) - ev.start, 0.0, None)
   working = float(d[ev.start < end].sum())
   return SimResult(
       mode=mode, num_workers=n, num_ps=config.num_ps, seconds=float(end),
@@ -292,10 +313,10 @@ def _sync(config: SimConfig, dur: _Durations) -> SimResult:
   tl = _Timeline()
   for s in range(config.steps):
     start = np.full(n, t)
-    d, busy = dur(workers, np.full(n, s), start)
-    finish = start + d
-    tl.add(workers, np.full(n, s), start, finish, busy, start, token=np.full(n, s))
-    t = float(finish.max())
+    push, end, busy = dur(workers, np.full(n, s), start)
+    tl.add(workers, np.full(n, s), start, start + push, busy, start, token=np.full(n, s),
+           end=start + end)
+    t = float((start + end).max())
   ev, busy = tl.events()
   order = _order(ev.finish, ev.worker)
   result = _result("sync", config, t, order, ev, busy)
@@ -313,36 +334,37 @@ def _hop_bw(config: SimConfig, dur: _Durations) -> SimResult:
   workers = np.arange(n)
   tl = _Timeline()
   steps_started = np.zeros(n, np.int64)
-  # Each worker is either waiting for the next version (it pushed on time) or still computing a
-  # step on an older version (late: that push will be dropped), finishing at `fin`.
+  # Each worker either pushed on time for the current version and waits for the next one
+  # (`waiting`), or is on an older version (late: its push is dropped). `free`: when it is free
+  # after its last step (its push, unless the slowdown comes after the push).
   waiting = np.ones(n, bool)
-  fin = np.zeros(n)
+  free = np.zeros(n)
   version_time = 0.0   # when the current version k became available
   k = 0
   finishes: List[np.ndarray] = []
   total = 0
   check_at = config.steps
   while True:
-    # Candidates for version k: waiting workers start at version_time; late ones as soon as
-    # their old step ends (if that is before version k + 1, which the order statistic ensures:
-    # a candidate starting after it finishes after it too).
-    start = np.where(waiting, version_time, fin)
-    d, busy = dur(workers, steps_started, start)
-    cand = start + d
+    # Candidates for version k: waiting workers start when it exists (and they are free), late
+    # ones as soon as they are free. Version k + 1 exists once the (N - b3)-th candidate pushed;
+    # a worker free only after that does not start on version k, and its candidate, later still,
+    # does not change which are the first N - b3.
+    start = np.where(waiting, np.maximum(version_time, free), free)
+    push, end, busy = dur(workers, steps_started, start)
+    cand = start + push
     order = _order(cand, workers)
     next_time = float(cand[order[need - 1]])
-    # Workers that start a step on version k: the waiting ones and the late ones freed in time.
-    starts = waiting | (fin < next_time)
+    starts = start < next_time
     idx = np.flatnonzero(starts)
-    tl.add(idx, steps_started[idx], start[idx], cand[idx], busy[idx], fin[idx],
-           token=np.full(idx.size, k))
+    tl.add(idx, steps_started[idx], start[idx], cand[idx], busy[idx], free[idx],
+           token=np.full(idx.size, k), end=start[idx] + end[idx])
     finishes.append(cand[idx])
     total += idx.size
     steps_started[idx] += 1
     on_time = np.zeros(n, bool)
     on_time[order[:need]] = True
-    waiting = on_time
-    fin = np.where(starts, cand, fin)
+    waiting = on_time | (waiting & ~starts)
+    free = np.where(starts, start + end, free)
     version_time = next_time
     k += 1
     if k >= check_at and total >= target:
@@ -392,7 +414,7 @@ def _max_lead(ev: Events, end: float) -> int:
   # has finished its step s by t; a worker starting its step s has finished s steps.
   n_steps = int(ev.index.max()) + 1
   all_done = np.full(n_steps, -np.inf)
-  np.maximum.at(all_done, ev.index, ev.finish)
+  np.maximum.at(all_done, ev.index, ev.end)
   all_done = np.maximum.accumulate(all_done)
   starts = ev.start <= end
   fewest = np.searchsorted(all_done, ev.start[starts], side="right")
