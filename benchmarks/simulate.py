@@ -92,6 +92,10 @@ def main(argv=None):
   p.add_argument("--bsp_aggregate", type=int, default=None, help="b2 (default round(N/5))")
   p.add_argument("--hop_bs_bound", type=int, default=2, help="b1")
   p.add_argument("--hop_bw_backup", type=int, default=None, help="b3 (default round(N/5))")
+  p.add_argument("--delay_after_push", action="store_true",
+                 help="slowdowns after the push, as the project's injected stragglers (GBA>StepEnd)")
+  p.add_argument("--work_ms", type=float, default=10.0,
+                 help="with --delay_after_push: the real work before the push")
   p.add_argument("--plots", default=None, help="folder for the PNG plots vs N (none if unset)")
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_simulate"))
   args = p.parse_args(argv)
@@ -118,7 +122,8 @@ def main(argv=None):
                          push_ms=args.push_ms, latency_ms=args.latency_ms, stragglers=profile,
                          seed=args.seed, local_batch_size=args.local_batch_size, iota=args.iota,
                          gba_num_aggregate=args.num_aggregate, bsp_aggregate=args.bsp_aggregate,
-                         hop_bs_bound=args.hop_bs_bound, hop_bw_backup=args.hop_bw_backup)
+                         hop_bs_bound=args.hop_bs_bound, hop_bw_backup=args.hop_bw_backup,
+                         delay_after_push=args.delay_after_push, work_ms=args.work_ms)
     except ValueError as e:
       p.error(str(e))
     sync_qps = None
