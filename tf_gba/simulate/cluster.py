@@ -204,16 +204,14 @@ class _Timeline:
   """Collects started steps, one vector of workers at a time."""
 
   def __init__(self):
-    self.parts = {k: [] for k in ("worker", "index", "start", "finish", "token", "busy", "ready",
-                                  "end")}
+    self.parts = {k: [] for k in ("worker", "index", "start", "finish", "token", "ready", "end")}
 
-  def add(self, worker, index, start, finish, busy, ready, token=None, end=None):
-    """`ready`: when the worker had pushed its previous step (start - ready is time blocked)."""
+  def add(self, worker, index, start, finish, ready, token=None, end=None):
+    """`ready`: when the worker was free after its previous step (start - ready: blocked)."""
     self.parts["worker"].append(np.asarray(worker, np.int32))
     self.parts["index"].append(np.asarray(index, np.int32))
     self.parts["start"].append(np.asarray(start, np.float64))
     self.parts["finish"].append(np.asarray(finish, np.float64))
-    self.parts["busy"].append(np.asarray(busy, np.float64))
     self.parts["ready"].append(np.asarray(ready, np.float64))
     self.parts["end"].append(np.asarray(finish if end is None else end, np.float64))
     if token is not None:
@@ -223,7 +221,7 @@ class _Timeline:
     cat = {k: (np.concatenate(v) if v else None) for k, v in self.parts.items()}
     ev = Events(cat["worker"], cat["index"], cat["start"], cat["finish"], cat["token"],
                 cat["ready"], cat["end"])
-    return ev, cat["busy"]
+    return ev
 
 
 def _free_running(config: SimConfig, dur: _Durations, barrier_bound: Optional[int]):
@@ -240,9 +238,9 @@ def _free_running(config: SimConfig, dur: _Durations, barrier_bound: Optional[in
     start = prev_end
     if barrier_bound is not None and s - barrier_bound - 1 >= 0:
       start = np.maximum(prev_end, all_done[s - barrier_bound - 1])
-    push, end, busy = dur(workers, np.full(n, s), start)
+    push, end, _ = dur(workers, np.full(n, s), start)
     finish, end = start + push, start + end
-    tl.add(workers, np.full(n, s), start, finish, busy, prev_end, end=end)
+    tl.add(workers, np.full(n, s), start, finish, prev_end, end=end)
     # A worker counts a step as finished (Hop-BS's clock) once it is free again.
     all_done.append(float(end.max()))
     s += 1
@@ -250,9 +248,9 @@ def _free_running(config: SimConfig, dur: _Durations, barrier_bound: Optional[in
       # Every step finishing before min(finish) has been generated (a worker's later steps
       # finish later): stop once those cover the target. Checked at growing intervals, since a
       # check costs as much as the steps so far.
-      ev, busy_all = tl.events()
+      ev = tl.events()
       if np.count_nonzero(ev.finish <= float(finish.min())) >= target:
-        return ev, busy_all
+        return ev
       check_at = s + max(1, s // 8)
     prev_end = end
 
@@ -262,7 +260,7 @@ def _blocked_seconds(ev: Events, end: float) -> float:
   return float(np.clip(np.minimum(ev.start, end) - np.minimum(ev.ready, end), 0.0, None).sum())
 
 
-def _buffered(mode: str, config: SimConfig, ev: Events, busy: np.ndarray,
+def _buffered(mode: str, config: SimConfig, ev: Events,
               buffer_config: gba_ops.BufferConfig, tokens_from_generator: bool) -> SimResult:
   """Cuts the run at steps x N pushes and replays fetches and pushes through the buffer rules."""
   target = config.steps * config.num_workers
@@ -279,7 +277,7 @@ def _buffered(mode: str, config: SimConfig, ev: Events, busy: np.ndarray,
   buf = logic.DenseBufferLogic(buffer_config)
   dec = buf.push_many(ev.token[push_order])
   kept = int(np.count_nonzero(dec.weight[dec.counted] != 0.0))
-  result = _result(mode, config, end, push_order, ev, busy)
+  result = _result(mode, config, end, push_order, ev)
   result.global_steps = buf.aggregations
   result.effective_qps = kept * config.local_batch_size / end
   result.mean_staleness = buf.mean_staleness
@@ -291,7 +289,7 @@ def _buffered(mode: str, config: SimConfig, ev: Events, busy: np.ndarray,
   return result
 
 
-def _result(mode, config, end, push_order, ev, busy) -> SimResult:
+def _result(mode, config, end, push_order, ev) -> SimResult:
   n = config.num_workers
   per_worker = np.bincount(ev.worker[push_order], minlength=n)
   # Busy time within [0, end]: every step's pull + compute + push, clipped at the end.
@@ -313,13 +311,13 @@ def _sync(config: SimConfig, dur: _Durations) -> SimResult:
   tl = _Timeline()
   for s in range(config.steps):
     start = np.full(n, t)
-    push, end, busy = dur(workers, np.full(n, s), start)
-    tl.add(workers, np.full(n, s), start, start + push, busy, start, token=np.full(n, s),
+    push, end, _ = dur(workers, np.full(n, s), start)
+    tl.add(workers, np.full(n, s), start, start + push, start, token=np.full(n, s),
            end=start + end)
     t = float((start + end).max())
-  ev, busy = tl.events()
+  ev = tl.events()
   order = _order(ev.finish, ev.worker)
-  result = _result("sync", config, t, order, ev, busy)
+  result = _result("sync", config, t, order, ev)
   result.global_steps = config.steps
   result.effective_qps = result.global_qps
   result.staleness_histogram = [order.size] + [0] * (config.histogram_bins - 1)
@@ -350,13 +348,13 @@ def _hop_bw(config: SimConfig, dur: _Durations) -> SimResult:
     # a worker free only after that does not start on version k, and its candidate, later still,
     # does not change which are the first N - b3.
     start = np.where(waiting, np.maximum(version_time, free), free)
-    push, end, busy = dur(workers, steps_started, start)
+    push, end, _ = dur(workers, steps_started, start)
     cand = start + push
     order = _order(cand, workers)
     next_time = float(cand[order[need - 1]])
     starts = start < next_time
     idx = np.flatnonzero(starts)
-    tl.add(idx, steps_started[idx], start[idx], cand[idx], busy[idx], free[idx],
+    tl.add(idx, steps_started[idx], start[idx], cand[idx], free[idx],
            token=np.full(idx.size, k), end=start[idx] + end[idx])
     finishes.append(cand[idx])
     total += idx.size
@@ -372,10 +370,10 @@ def _hop_bw(config: SimConfig, dur: _Durations) -> SimResult:
       if np.count_nonzero(np.concatenate(finishes) <= version_time) >= target:
         break
       check_at = k + max(1, k // 8)
-  ev, busy_all = tl.events()
+  ev = tl.events()
   cfg = gba_ops.BufferConfig(num_aggregate=need, staleness_threshold=0, count_dropped=False,
                              per_id_staleness=False, histogram_bins=config.histogram_bins)
-  result = _buffered("hop_bw", config, ev, busy_all, cfg, tokens_from_generator=False)
+  result = _buffered("hop_bw", config, ev, cfg, tokens_from_generator=False)
   return result
 
 
@@ -400,8 +398,8 @@ def simulate(mode: str, config: SimConfig) -> SimResult:
   if mode == "hop_bw":
     return _hop_bw(config, dur)
   bound = config.hop_bs_bound if mode == "hop_bs" else None
-  ev, busy = _free_running(config, dur, bound)
-  result = _buffered(mode, config, ev, busy, buffer_config(mode, config),
+  ev = _free_running(config, dur, bound)
+  result = _buffered(mode, config, ev, buffer_config(mode, config),
                      tokens_from_generator=True)
   if mode == "hop_bs":
     result.max_lead = _max_lead(ev, result.seconds)
