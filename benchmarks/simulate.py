@@ -58,8 +58,10 @@ def _plot(rows, modes, profile, out_dir):
     ax.set_xscale("log", base=2)
     if log:
       ax.set_yscale("symlog", linthresh=1.0)
-    ax.set_xticks(sizes)
-    ax.set_xticklabels([str(s) for s in sizes], fontsize=7)
+      ax.set_ylim(bottom=0)
+    ticks = [s for s in sizes if s & (s - 1) == 0] or sizes  # powers of two: labels stay apart
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(s) for s in ticks], fontsize=7)
     ax.set_xlabel("workers N")
     ax.set_ylabel(label, fontsize=8)
     ax.set_title(profile, fontsize=7)

@@ -355,3 +355,19 @@ def test_slowdown_after_the_push():
   assert gba.max_staleness == 0
   inside = simulate("gba", dataclasses.replace(config, delay_after_push=False))
   assert inside.max_staleness >= 2  # the same straggler, slowed before its push
+
+
+def test_benchmark_writes_rows_and_plots(tmp_path):
+  from benchmarks import simulate as bench  # pylint: disable=g-import-not-at-top
+  rows = bench.main(["--num_workers=4,8", "--steps=20", "--modes=sync,gba,hop_bw",
+                     "--stragglers=dedicated", f"--plots={tmp_path / 'img'}",
+                     f"--out={tmp_path / 'out'}"])
+  assert [(r["num_workers"], r["mode"]) for r in rows] == [
+      (4, "sync"), (4, "gba"), (4, "hop_bw"), (8, "sync"), (8, "gba"), (8, "hop_bw")]
+  assert rows[1]["vs_sync"] == pytest.approx(rows[1]["global_qps"] / rows[0]["global_qps"])
+  assert rows[0]["stragglers"] == "compute:100+transient:0.2:4+persistent:2@0"
+  assert (tmp_path / "out" / "results.json").exists()
+  assert sorted(p.name for p in (tmp_path / "img").iterdir()) == [
+      "sim_drops.png", "sim_idle.png", "sim_qps.png", "sim_staleness.png"]
+  with pytest.raises(SystemExit):
+    bench.main(["--modes=gba,ssp", f"--out={tmp_path / 'out'}"])
