@@ -371,3 +371,25 @@ def test_benchmark_writes_rows_and_plots(tmp_path):
       "sim_drops.png", "sim_idle.png", "sim_qps.png", "sim_staleness.png"]
   with pytest.raises(SystemExit):
     bench.main(["--modes=gba,ssp", f"--out={tmp_path / 'out'}"])
+
+
+def test_factors_are_those_step_end_sleeps():
+  """`slowdown_factors` and GBA>StepEnd draw the same slowdown for the same (worker, step)."""
+  ops = stragglers._ops()  # pylint: disable=protected-access
+  floor_s = 0.05
+  profile = stragglers.parse(f"compute:{floor_s * 1000:g}+transient:0.5:3")
+  # One step first: its kernel is created inside the timed step, which would stretch it.
+  ops.gba_step_end(ops.gba_step_begin(), profile=profile, seed=11)
+  first = int(ops.gba_worker_step_stats().numpy()[0])  # this process's step counter
+  slept = []
+  for _ in range(24):
+    start = ops.gba_step_begin()
+    slept.append(float(ops.gba_step_end(start, profile=profile, seed=11)))
+  # A step of little work (busy < floor) is padded to the floor, then stretched: it sleeps
+  # floor x factor - busy, so factor = ceil(sleep / floor) whenever busy < floor.
+  measured = np.ceil(np.array(slept) / floor_s - 1e-9)
+  expected, floor = stragglers.slowdown_factors(
+      np.zeros(24, np.int64), np.arange(first, first + 24), np.zeros(24), profile, 11)
+  assert floor == pytest.approx(floor_s)
+  np.testing.assert_array_equal(measured, expected)
+  assert set(expected) == {1.0, 3.0}

@@ -162,7 +162,6 @@ class _Durations:
   def __init__(self, config: SimConfig):
     self._profile = stragglers_lib.parse(config.stragglers)
     self._seed = int(config.seed)
-    self._ops = stragglers_lib._ops()  # pylint: disable=protected-access
     _, floor = self.factors(np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1))
     p = config.num_ps
     self.pull = (config.latency_ms + config.pull_ms / p) * 1e-3
@@ -172,23 +171,22 @@ class _Durations:
     self.work = config.work_ms * 1e-3
 
   def factors(self, workers, steps, elapsed):
-    f, floor = self._ops.gba_straggler_factors(
+    return stragglers_lib.slowdown_factors(
         np.asarray(workers, np.int64), np.asarray(steps, np.int64),
-        np.asarray(elapsed, np.float64), profile=self._profile, seed=self._seed)
-    return f.numpy(), float(floor.numpy())
+        np.asarray(elapsed, np.float64), self._profile, self._seed)
 
   def __call__(self, workers, steps, start):
-    """For step `steps[i]` of worker `workers[i]` started at `start[i]`: (push, end, busy), the
-    seconds after the start at which its gradient reaches the PS and at which the worker is free
-    for its next step, and its compute (or, with delay_after_push, stretched) time."""
+    """For step `steps[i]` of worker `workers[i]` started at `start[i]`: (push, end), the seconds
+    after the start at which its gradient reaches the PS and at which the worker is free for its
+    next step."""
     # Every simulated worker starts its first step at time 0: elapsed time is the start time.
     f, _ = self.factors(workers, steps, start)
     if not self.after_push:
       d = self.pull + self.compute * f + self.push
-      return d, d, self.compute * f
+      return d, d
     push = np.full(f.shape, self.pull + self.work + self.push)
     end = np.maximum(push, self.compute) * f
-    return push, end, end
+    return push, end
 
 
 def _order(times: np.ndarray, workers: np.ndarray) -> np.ndarray:
@@ -238,7 +236,7 @@ def _free_running(config: SimConfig, dur: _Durations, barrier_bound: Optional[in
     start = prev_end
     if barrier_bound is not None and s - barrier_bound - 1 >= 0:
       start = np.maximum(prev_end, all_done[s - barrier_bound - 1])
-    push, end, _ = dur(workers, np.full(n, s), start)
+    push, end = dur(workers, np.full(n, s), start)
     finish, end = start + push, start + end
     tl.add(workers, np.full(n, s), start, finish, prev_end, end=end)
     # A worker counts a step as finished (Hop-BS's clock) once it is free again.
@@ -311,7 +309,7 @@ def _sync(config: SimConfig, dur: _Durations) -> SimResult:
   tl = _Timeline()
   for s in range(config.steps):
     start = np.full(n, t)
-    push, end, _ = dur(workers, np.full(n, s), start)
+    push, end = dur(workers, np.full(n, s), start)
     tl.add(workers, np.full(n, s), start, start + push, start, token=np.full(n, s),
            end=start + end)
     t = float((start + end).max())
@@ -348,7 +346,7 @@ def _hop_bw(config: SimConfig, dur: _Durations) -> SimResult:
     # a worker free only after that does not start on version k, and its candidate, later still,
     # does not change which are the first N - b3.
     start = np.where(waiting, np.maximum(version_time, free), free)
-    push, end, _ = dur(workers, steps_started, start)
+    push, end = dur(workers, steps_started, start)
     cand = start + push
     order = _order(cand, workers)
     next_time = float(cand[order[need - 1]])
