@@ -18,7 +18,7 @@ os.environ["TF_USE_LEGACY_KERAS"] = "1"
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("data", "distribute", "models", "ops", "optimizers", "training")
+_SUBPACKAGES = ("data", "distribute", "models", "ops", "optimizers", "simulate", "training")
 
 
 def __getattr__(name):

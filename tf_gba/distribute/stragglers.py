@@ -121,3 +121,13 @@ def worker_step_stats(num_workers: int) -> List[dict]:
     out.append({"worker": i, "steps": steps, "busy_seconds": busy * 1e-9,
                 "delay_seconds": delay * 1e-9, "first_step_unix": first * 1e-9})
   return out
+
+
+def slowdown_factors(workers, steps, elapsed_seconds, profile: str, seed: int):
+  """The factors `step_end` applies to step steps[i] of worker workers[i], started
+  elapsed_seconds[i] after that worker's first step, without sleeping; and the profile's compute
+  floor in seconds (0 if none). `profile` is canonical (from `parse`). For the cluster simulator."""
+  factors, floor = _ops().gba_straggler_factors(
+      tf.constant(workers, tf.int64), tf.constant(steps, tf.int64),
+      tf.constant(elapsed_seconds, tf.float64), profile=profile, seed=seed)
+  return factors.numpy(), float(floor.numpy())

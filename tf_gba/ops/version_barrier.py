@@ -33,6 +33,11 @@ from tf_gba.ops import loader
 
 _uid = itertools.count()
 
+# A barrier hands out versions and counts; nothing it outputs is differentiated.
+loader.no_gradient("GBA>VersionBarrierCreate", "GBA>VersionBarrierWait",
+                   "GBA>VersionBarrierReport", "GBA>VersionBarrierRelease",
+                   "GBA>VersionBarrierStats")
+
 
 def _ops():
   return loader.load_op_library("gba")

@@ -17,7 +17,8 @@
 #include <utility>
 #include <vector>
 
-#include "custom_ops/gba/cc/kernels/resource_util.h"
+#include "custom_ops/common/kernel_util.h"
+#include "custom_ops/common/resource_util.h"
 #include "tensorflow/core/framework/cancellation.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -297,8 +298,7 @@ class VersionBarrierCreateOp : public OpKernel {
   explicit VersionBarrierCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_workers", &num_workers_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("initial_version", &initial_version_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("container", &container_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("shared_name", &shared_name_));
+    OP_REQUIRES_OK(ctx, name_.FromAttrs(ctx));
     OP_REQUIRES(ctx, num_workers_ >= 1,
                 errors::InvalidArgument("num_workers must be >= 1, got ", num_workers_, "."));
     OP_REQUIRES(ctx, initial_version_ >= 0,
@@ -307,7 +307,7 @@ class VersionBarrierCreateOp : public OpKernel {
   }
   void Compute(OpKernelContext* ctx) override {
     CreateResourceAndOutputHandle<VersionBarrier>(
-        ctx, container_, shared_name_, [this](VersionBarrier** out) {
+        ctx, name_, [this](VersionBarrier** out) {
           *out = new VersionBarrier(num_workers_, initial_version_);
           return ::tensorflow::OkStatus();
         });
@@ -315,7 +315,7 @@ class VersionBarrierCreateOp : public OpKernel {
 
  private:
   int64_t num_workers_, initial_version_;
-  std::string container_, shared_name_;
+  ResourceName name_;
 };
 
 class VersionBarrierWaitOp : public AsyncOpKernel {

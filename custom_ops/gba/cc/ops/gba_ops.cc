@@ -271,4 +271,23 @@ REGISTER_OP("GBA>WorkerStepStats")
     })
     .Doc("[steps, busy_ns, delay_ns, first_step_unix_ns] of this worker process.");
 
+REGISTER_OP("GBA>StragglerFactors")
+    .Input("workers: int64")
+    .Input("steps: int64")
+    .Input("elapsed_seconds: float64")
+    .Output("factors: float64")
+    .Output("compute_floor_seconds: float64")
+    .Attr("profile: string = 'none'")
+    .Attr("seed: int = 0")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      c->set_output(1, c->Scalar());
+      return ::tensorflow::OkStatus();
+    })
+    .Doc(R"doc(
+The slowdown factor GBA>StepEnd would apply to step steps[i] of worker workers[i], started
+elapsed_seconds[i] after that worker's first step, and the profile's compute floor (0 if none).
+Sleeps nothing: the cluster simulator's view of the same profile.
+)doc");
+
 }  // namespace tf_gba

@@ -1,0 +1,12 @@
+"""A discrete-event simulator of GBA and its baselines on N workers and P parameter servers.
+
+`simulate(mode, SimConfig(...))` returns a `SimResult` (global QPS, dense staleness, dropped
+batches, idle time); `python -m benchmarks.simulate` runs it over modes and cluster sizes. GBA's
+token and buffer decisions are `tf_gba.simulate.logic`, the rules of the real ops (a test replays
+one event sequence through both).
+"""
+
+from tf_gba.simulate.cluster import MODES, SimConfig, SimResult, simulate
+from tf_gba.simulate.logic import DenseBufferLogic, TokenLogic
+
+__all__ = ["MODES", "SimConfig", "SimResult", "simulate", "DenseBufferLogic", "TokenLogic"]
