@@ -12,8 +12,12 @@ type "ps" and "worker" serve (with tf_gba's ops loaded), the task of type "chief
 """
 
 import os
+import shutil
 import sys
+import tempfile
 
+# Whether the user chose TensorFlow's C++ log level; if not, --verbosity=debug lowers it.
+_USER_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL" in os.environ
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app  # noqa: E402
@@ -79,6 +83,10 @@ def define_flags() -> None:
                       "Options of the data source as key=value,... e.g. num_examples=500000,"
                       "num_days=3,drift=0.2 (synthetic), vocab_size=100000 (criteo), num_days=7 "
                       "(movielens100k).")
+  flags.DEFINE_bool("keep_logs", False,
+                    "Keep the log files of this process and of the local cluster's servers (in "
+                    "<model_dir>/logs); by default they go to a temporary directory deleted at "
+                    "the end of the run.")
 
 
 def _task_type() -> str:
@@ -109,18 +117,83 @@ def main(argv=None):
       dts_period=FLAGS.dts_period, dts_latency_ms=FLAGS.dts_latency_ms,
       dts_inner=FLAGS.dts_inner, bsp_aggregate=FLAGS.bsp_aggregate,
       hop_bs_bound=FLAGS.hop_bs_bound, hop_bs_timeout_s=FLAGS.hop_bs_timeout_s,
-      hop_bw_backup=FLAGS.hop_bw_backup)
-  try:
-    config.validate()
-  except ValueError as e:
-    raise app.UsageError(str(e)) from None
+      hop_bw_backup=FLAGS.hop_bw_backup, log_dir=_LOGS.get("dir"), keep_logs=FLAGS.keep_logs)
   return run(config)
 
 
+# The run's log directory: {"dir": path} once _quiet_stderr has chosen it.
+_LOGS = {}
+
+
+def _quiet_stderr() -> None:
+  """Sends what TensorFlow's C++ runtime writes on stderr to a log file; Python keeps the terminal.
+
+  TF and gRPC log start-up notices and, when the local cluster goes away, lines about remote
+  handles they can no longer reach, straight to file descriptor 2: no Python setting silences them.
+  Descriptor 2 is pointed at `coordinator.log` in the run's log directory (the servers' logs go
+  there too), while `sys.stderr` keeps a copy of the terminal for progress, errors and
+  tracebacks.
+  """
+  if FLAGS.keep_logs:
+    log_dir = os.path.join(FLAGS.model_dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+  else:
+    log_dir = tempfile.mkdtemp(prefix="tf_gba_logs_")
+  _LOGS["dir"] = log_dir
+  terminal = os.dup(2)
+  fd = os.open(os.path.join(log_dir, "coordinator.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+               0o644)
+  os.dup2(fd, 2)
+  os.close(fd)
+  sys.stderr = os.fdopen(terminal, "w", buffering=1)
+
+
+def _end_logs(keep: bool) -> None:
+  log_dir = _LOGS.get("dir")
+  if not log_dir:
+    return
+  if keep or FLAGS.keep_logs:
+    print(f"train.py: logs kept in {log_dir}", file=sys.stderr, flush=True)
+  else:
+    shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _debug() -> bool:
+  """--verbosity=debug (1) or more: tracebacks and TensorFlow's own logs are shown."""
+  return FLAGS["verbosity"].present and FLAGS.verbosity >= 1
+
+
+def _fail(message: str) -> None:
+  """One line on stderr and exit code 2: the user's input is at fault, not the program."""
+  print(f"train.py: error: {message}", file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  _end_logs(keep=False)
+  os._exit(2)  # pylint: disable=protected-access
+
+
 def _entry(argv):
-  main(argv)
+  if _debug() and not _USER_LOG_LEVEL:
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+  if not FLAGS["verbosity"].present:
+    _quiet_stderr()  # before TensorFlow is imported: its start-up notices come at import
+  from tf_gba.training import preflight  # pylint: disable=g-import-not-at-top
+  try:
+    main(argv)
+  except preflight.InputError as e:
+    if _debug():
+      raise
+    _fail(str(e))
+  except BaseException as e:  # pylint: disable=broad-except
+    # A malformed row past the pre-flight scan, met by a worker under --strict_data.
+    if _debug() or "Malformed" not in str(e):
+      _end_logs(keep=True)  # they may say what went wrong
+      raise
+    line = next(l for l in str(e).splitlines() if "Malformed" in l).strip()
+    _fail(f"--strict_data: {line[line.index('Malformed'):][:300]}; fix or remove the row, or "
+          "drop --strict_data to skip malformed rows.")
   sys.stdout.flush()
   sys.stderr.flush()
+  _end_logs(keep=False)
   # The local cluster is already gone; skipping interpreter teardown spares the log TF would
   # write about remote handles it can no longer release.
   os._exit(0)

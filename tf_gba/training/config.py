@@ -38,6 +38,10 @@ class TrainConfig:
   eval_day: Optional[int] = None
   seed: int = 0
   strict_data: bool = False
+  # Where the local cluster's servers write their logs (None: a temporary directory, deleted with
+  # the cluster), and whether the binary keeps them after the run.
+  log_dir: Optional[str] = None
+  keep_logs: bool = False
   data_options: str = ""
   # Async mode keeps the GBA wrapper with M = 1 (every push applied at once) to measure staleness;
   # False runs the bare inner optimizer, ParameterServerStrategy's own asynchronous training.
@@ -104,7 +108,14 @@ class TrainConfig:
       raise ValueError(f"--staleness_threshold must be >= 0, got {self.staleness_threshold}.")
     if not self.learning_rate > 0:
       raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
+    if self.eval_examples < 1:
+      raise ValueError(f"--eval_examples must be >= 1, got {self.eval_examples}.")
+    if self.day is not None and self.day < 0:
+      raise ValueError(f"--day must be >= 0 (unset: every day), got {self.day}.")
     if self.global_batch_size is not None:
+      if self.global_batch_size < 1:
+        raise ValueError(f"--global_batch_size must be >= 1 (unset: local x workers), got "
+                         f"{self.global_batch_size}.")
       if self.global_batch_size % self.local_batch_size:
         raise ValueError(
             f"--global_batch_size={self.global_batch_size} is not a multiple of "

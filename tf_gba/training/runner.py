@@ -26,6 +26,7 @@ from tf_gba.distribute import LocalCluster
 from tf_gba.ops import worker_clock
 from tf_gba.optimizers import GBA
 from tf_gba.training import metrics
+from tf_gba.training import preflight
 from tf_gba.training import resharding
 from tf_gba.training.config import TrainConfig
 
@@ -59,7 +60,8 @@ def _cluster(config: TrainConfig):
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     yield resolver, None
     return
-  with LocalCluster(num_ps=config.num_ps, num_workers=config.num_workers) as cluster:
+  with LocalCluster(num_ps=config.num_ps, num_workers=config.num_workers,
+                    log_dir=config.log_dir, keep_logs=config.keep_logs) as cluster:
     yield cluster.resolver(), cluster
 
 
@@ -151,13 +153,16 @@ class _Job:
       self.optimizer.build(self.model.trainable_variables)
     self.checkpoint = tf.train.Checkpoint(model=self.model)
     self.manager = tf.train.CheckpointManager(self.checkpoint, config.model_dir, max_to_keep=3)
-    self.restored_from = None
-    if self.manager.latest_checkpoint:
-      # Whatever mode and shard count wrote it (sync: every variable whole; another number of
-      # parameter servers): parameters, slots, iterations, GBA tokens and row tags carry over.
-      resharding.restore_training_state(self.manager.latest_checkpoint, self.model,
-                                        self.optimizer)
-      self.restored_from = self.manager.latest_checkpoint
+    # Whatever mode and shard count wrote it (sync: every variable whole; another number of
+    # parameter servers): parameters, slots, iterations, GBA tokens and row tags carry over. A
+    # truncated newest checkpoint is passed over for the one before it.
+    try:
+      self.restored_from, self.skipped_checkpoints = preflight.restore_latest_usable(
+          config.model_dir,
+          lambda path: resharding.restore_training_state(path, self.model, self.optimizer),
+          _log)
+    except resharding.CheckpointMismatchError as e:
+      raise preflight.InputError(preflight.restore_mismatch_message(config, e)) from None
     self.writer = tf.summary.create_file_writer(os.path.join(config.model_dir, "tensorboard"))
     self._eval_model = None
     self._eval_data = None
@@ -205,19 +210,25 @@ class _Job:
 
 def run(config: TrainConfig) -> dict:
   """Trains as `config` says and returns the summary."""
-  config.validate()
+  # Flags, data and model_dir, before any server starts: a fault is one line, not a traceback
+  # from a worker a minute later.
+  data_report = preflight.check(config)
   # TensorFlow's own INFO lines (cluster specs, closures) would bury the progress lines.
   tf.get_logger().setLevel("WARNING")
   absl_logging.set_verbosity(absl_logging.WARNING)
   os.makedirs(config.model_dir, exist_ok=True)
   if config.mode == "dts":
-    return _run_dts(config)
+    preflight.write_metadata(config)
+    return _add_data_report(config, _run_dts(config), data_report)
   if config.mode == "sync":
     from tf_gba.training import sync_job  # pylint: disable=g-import-not-at-top
-    return sync_job.run_sync(config)
+    preflight.write_metadata(config)
+    return _add_data_report(config, sync_job.run_sync(config), data_report)
   with _cluster(config) as (resolver, _):
     strategy = make_strategy(config, resolver)
     job = _Job(config, strategy)
+    # After the restore: a checkpoint of unknown origin that did not fit has raised by now.
+    preflight.write_metadata(config)
     start_step = int(job.optimizer.iterations.numpy())
     _log(f"tf_gba: mode={config.mode} model={config.model} data={config.data} "
          f"ps={strategy.num_ps} workers={strategy.num_workers} M={config.num_aggregate} "
@@ -246,9 +257,14 @@ def run(config: TrainConfig) -> dict:
     stats = _optimizer_stats(job.optimizer)
     stats["hop_bs"] = strategy.hop_bs_stats()
     evaluation = job.evaluate()
-    saved = job.manager.save()
+    # Numbered by global step: a resumed run adds a checkpoint instead of overwriting ckpt-1 (the
+    # save counter starts at 0 in every process).
+    saved = job.manager.save(checkpoint_number=int(job.optimizer.iterations.numpy()))
     summary = _summary(config, strategy, history, stats, worker_stats, evaluation, wall,
                        steps_measured, t1 - t0, start_step, saved)
+    summary.update(_data_fields(data_report))
+    summary["skipped_checkpoints"] = job.skipped_checkpoints
+    summary.update(_log_fields(config))
     with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
     with job.writer.as_default(step=epochs * config.log_every):
@@ -304,6 +320,31 @@ def _run_dts(config: TrainConfig) -> dict:
     json.dump(summary, f, indent=2)
   print_summary(summary)
   return summary
+
+
+def _log_fields(config: TrainConfig) -> dict:
+  return {"logs": config.log_dir, "logs_kept": config.keep_logs} if config.log_dir else {}
+
+
+def _data_fields(report: dict) -> dict:
+  return {"malformed_rows": report["malformed_rows"], "data_rows_checked": report["rows_checked"],
+          "data_fully_checked": report["fully_checked"]}
+
+
+def _add_data_report(config: TrainConfig, summary: dict, report: dict) -> dict:
+  """The data scan's counts in a summary printed by another job (sync, dts), and a line."""
+  summary.update(_data_fields(report))
+  with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  if summary["data_rows_checked"]:
+    _log(_data_line(summary))
+  return summary
+
+
+def _data_line(s: dict) -> str:
+  scope = "" if s["data_fully_checked"] else " (of the first rows, read before training)"
+  return (f"  malformed rows        {s['malformed_rows']} of {s['data_rows_checked']:,} rows "
+          f"checked{scope}, skipped")
 
 
 def _optimizer_stats(optimizer) -> dict:
@@ -382,6 +423,10 @@ def print_summary(s: dict) -> None:
       f"  eval AUC              {s['eval_auc']:.4f}",
       f"  eval logloss          {s['eval_logloss']:.4f}",
       f"  checkpoint            {s['checkpoint']}",
+      *([_data_line(s)] if s.get("data_rows_checked") else []),
+      *([f"  logs                  {s['logs']}"
+         + ("" if s["logs_kept"] else "  (deleted at exit; --keep_logs keeps them)")]
+        if s.get("logs") else []),
       "=" * 72,
   ]
   _log("\n".join(lines))

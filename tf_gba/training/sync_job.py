@@ -37,6 +37,7 @@ from tf_gba import models as models_lib
 from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.distribute.dts_training import evaluate_binary
 from tf_gba.training import config as config_lib
+from tf_gba.training import preflight
 from tf_gba.training import resharding
 from tf_gba.training.config import TrainConfig
 
@@ -102,11 +103,12 @@ def build_and_restore(cfg: TrainConfig, strategy, info=None):
     # Slots now, so that a restore fills them and the checkpoint has the parameter-server modes'
     # layout (model -> optimizer -> Adam's slots).
     optimizer.build(model.trainable_variables)
-  latest = tf.train.latest_checkpoint(cfg.model_dir) if os.path.isdir(cfg.model_dir) else None
-  if latest:
-    # Checkpoints of the parameter-server modes may hold a sharded embedding and GBA state; the
-    # resharding restore maps them onto this unsharded model.
-    resharding.restore_training_state(latest, model, optimizer)
+  # Checkpoints of the parameter-server modes may hold a sharded embedding and GBA state; the
+  # resharding restore maps them onto this unsharded model. A truncated newest checkpoint is
+  # passed over for the one before it.
+  latest, _ = preflight.restore_latest_usable(
+      cfg.model_dir, lambda path: resharding.restore_training_state(path, model, optimizer),
+      lambda line: print(line, flush=True))
   return model, optimizer, latest
 
 
