@@ -83,6 +83,12 @@ def define_flags() -> None:
                       "Options of the data source as key=value,... e.g. num_examples=500000,"
                       "num_days=3,drift=0.2 (synthetic), vocab_size=100000 (criteo), num_days=7 "
                       "(movielens100k).")
+  flags.DEFINE_integer("checkpoint_every_steps", 0,
+                       "Also write a checkpoint every N worker steps during training (0: only at "
+                       "the end).")
+  flags.DEFINE_float("checkpoint_every_secs", 0.0,
+                     "Also write a checkpoint every S seconds during training (0: off).")
+  flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept in model_dir (the newest).")
   flags.DEFINE_bool("keep_logs", False,
                     "Keep the log files of this process and of the local cluster's servers (in "
                     "<model_dir>/logs); by default they go to a temporary directory deleted at "
@@ -117,7 +123,9 @@ def main(argv=None):
       dts_period=FLAGS.dts_period, dts_latency_ms=FLAGS.dts_latency_ms,
       dts_inner=FLAGS.dts_inner, bsp_aggregate=FLAGS.bsp_aggregate,
       hop_bs_bound=FLAGS.hop_bs_bound, hop_bs_timeout_s=FLAGS.hop_bs_timeout_s,
-      hop_bw_backup=FLAGS.hop_bw_backup, log_dir=_LOGS.get("dir"), keep_logs=FLAGS.keep_logs)
+      hop_bw_backup=FLAGS.hop_bw_backup, log_dir=_LOGS.get("dir"), keep_logs=FLAGS.keep_logs,
+      checkpoint_every_steps=FLAGS.checkpoint_every_steps,
+      checkpoint_every_secs=FLAGS.checkpoint_every_secs, keep_checkpoints=FLAGS.keep_checkpoints)
   return run(config)
 
 
@@ -199,6 +207,21 @@ def _entry(argv):
   os._exit(0)
 
 
+# absl's --verbosity takes a number; these names are accepted too (debug = 1: TF's logs and
+# tracebacks are shown).
+_VERBOSITY_NAMES = {"debug": "1", "info": "0", "warning": "-1", "error": "-2", "fatal": "-3"}
+
+
+def _named_verbosity(argv):
+  out = []
+  for arg in argv:
+    name, sep, value = arg.partition("=")
+    if sep and name in ("--verbosity", "-v") and value.lower() in _VERBOSITY_NAMES:
+      arg = f"{name}={_VERBOSITY_NAMES[value.lower()]}"
+    out.append(arg)
+  return out
+
+
 if __name__ == "__main__":
   define_flags()
-  app.run(_entry)
+  app.run(_entry, argv=_named_verbosity(sys.argv))

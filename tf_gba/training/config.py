@@ -42,6 +42,11 @@ class TrainConfig:
   # the cluster), and whether the binary keeps them after the run.
   log_dir: Optional[str] = None
   keep_logs: bool = False
+  # Periodic checkpoints during training (0: off; a checkpoint is always written at the end), in
+  # worker steps as --steps, and in seconds; how many checkpoints model_dir keeps.
+  checkpoint_every_steps: int = 0
+  checkpoint_every_secs: float = 0.0
+  keep_checkpoints: int = 3
   data_options: str = ""
   # Async mode keeps the GBA wrapper with M = 1 (every push applied at once) to measure staleness;
   # False runs the bare inner optimizer, ParameterServerStrategy's own asynchronous training.
@@ -108,6 +113,12 @@ class TrainConfig:
       raise ValueError(f"--staleness_threshold must be >= 0, got {self.staleness_threshold}.")
     if not self.learning_rate > 0:
       raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
+    if self.checkpoint_every_steps < 0 or self.checkpoint_every_secs < 0:
+      raise ValueError("--checkpoint_every_steps and --checkpoint_every_secs must be >= 0 (0: "
+                       f"off), got {self.checkpoint_every_steps} and "
+                       f"{self.checkpoint_every_secs}.")
+    if self.keep_checkpoints < 1:
+      raise ValueError(f"--keep_checkpoints must be >= 1, got {self.keep_checkpoints}.")
     if self.eval_examples < 1:
       raise ValueError(f"--eval_examples must be >= 1, got {self.eval_examples}.")
     if self.day is not None and self.day < 0:

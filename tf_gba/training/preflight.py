@@ -18,6 +18,7 @@ import os
 import re
 from typing import Callable, List, Optional, Tuple
 
+from google.protobuf import message as message_lib
 import numpy as np
 import tensorflow as tf
 
@@ -206,9 +207,11 @@ def restore_mismatch_message(config: TrainConfig, error: Exception) -> str:
 
 # ---- choosing the checkpoint to restore ----------------------------------------------------------
 # What a truncated or half-written checkpoint raises when read.
+# (The checkpoint reader raises IndexError "Read less bytes than requested" for a data file cut
+# short; a cut index or object graph fails to parse.)
 _UNREADABLE = (tf.errors.DataLossError, tf.errors.OutOfRangeError, tf.errors.NotFoundError,
                tf.errors.InvalidArgumentError, tf.errors.FailedPreconditionError,
-               FileNotFoundError)
+               FileNotFoundError, IndexError, message_lib.DecodeError)
 
 
 def checkpoints_newest_first(model_dir: str) -> List[str]:

@@ -114,6 +114,37 @@ class _Progress(keras.callbacks.Callback):
     job.writer.flush()
 
 
+class PeriodicCheckpoint(keras.callbacks.Callback):
+  """Writes a checkpoint every `checkpoint_every_steps` worker steps or `checkpoint_every_secs`.
+
+  Under a ParameterServerStrategy `fit` schedules steps and returns before they run, so the count
+  here is of steps scheduled; the checkpoint holds what the parameter servers have applied and is
+  numbered by the global step it holds (the optimizer's iterations, with GBA's tokens and row tags
+  in the same checkpoint). Each write is atomic: TF writes the files under temporary names, renames
+  them, and only then points the `checkpoint` state file at them (itself replaced by a rename), so
+  a process killed mid-write leaves the previous checkpoint the newest one listed.
+  """
+
+  def __init__(self, job: "_Job"):
+    super().__init__()
+    self._job = job
+    self._steps = 0
+    self._last_steps = 0
+    self._last_time = time.time()
+    self.saved = []
+
+  def on_train_batch_end(self, batch, logs=None):
+    cfg = self._job.config
+    self._steps += 1
+    due_steps = (cfg.checkpoint_every_steps and
+                 self._steps - self._last_steps >= cfg.checkpoint_every_steps)
+    due_time = (cfg.checkpoint_every_secs and
+                time.time() - self._last_time >= cfg.checkpoint_every_secs)
+    if due_steps or due_time:
+      self.saved.append(self._job.save_checkpoint())
+      self._last_steps, self._last_time = self._steps, time.time()
+
+
 def eval_dataset(cfg: TrainConfig, data_kwargs: dict) -> tf.data.Dataset:
   """What a run is evaluated on: batches of 1024, about `eval_examples` examples at most.
 
@@ -152,7 +183,8 @@ class _Job:
       # under the scope, so optimizers that read state before each step can register with it.
       self.optimizer.build(self.model.trainable_variables)
     self.checkpoint = tf.train.Checkpoint(model=self.model)
-    self.manager = tf.train.CheckpointManager(self.checkpoint, config.model_dir, max_to_keep=3)
+    self.manager = tf.train.CheckpointManager(self.checkpoint, config.model_dir,
+                                              max_to_keep=config.keep_checkpoints)
     # Whatever mode and shard count wrote it (sync: every variable whole; another number of
     # parameter servers): parameters, slots, iterations, GBA tokens and row tags carry over. A
     # truncated newest checkpoint is passed over for the one before it.
@@ -166,6 +198,16 @@ class _Job:
     self.writer = tf.summary.create_file_writer(os.path.join(config.model_dir, "tensorboard"))
     self._eval_model = None
     self._eval_data = None
+
+  def save_checkpoint(self) -> str:
+    """Writes a checkpoint numbered by global step (atomic: see PeriodicCheckpoint)."""
+    step = int(self.optimizer.iterations.numpy())
+    latest = self.manager.latest_checkpoint
+    if latest and latest.endswith(f"-{step}"):
+      return latest  # nothing new since the last one
+    # Numbered by global step: a resumed run adds a checkpoint instead of overwriting ckpt-1 (the
+    # save counter starts at 0 in every process).
+    return self.manager.save(checkpoint_number=step)
 
   def dataset_fn(self, ctx: Optional[tf.distribute.InputContext]):
     """Worker i of N reads shard i of N of the training rows, as in synchronous training.
@@ -238,10 +280,15 @@ def run(config: TrainConfig) -> dict:
             if job.restored_from else ""))
     epochs = math.ceil(config.steps / config.log_every)
     progress = _Progress(job)
+    callbacks = [progress]
+    periodic = None
+    if config.checkpoint_every_steps or config.checkpoint_every_secs:
+      periodic = PeriodicCheckpoint(job)
+      callbacks.append(periodic)
     t0 = time.time()
     history = job.model.fit(keras.utils.experimental.DatasetCreator(job.dataset_fn),
                             epochs=epochs, steps_per_epoch=config.log_every, verbose=0,
-                            callbacks=[progress])
+                            callbacks=callbacks)
     t1 = time.time()
     worker_stats = strategy.worker_step_stats()
     # Throughput over the steady state: the first interval pays for tracing and start-up.
@@ -257,13 +304,12 @@ def run(config: TrainConfig) -> dict:
     stats = _optimizer_stats(job.optimizer)
     stats["hop_bs"] = strategy.hop_bs_stats()
     evaluation = job.evaluate()
-    # Numbered by global step: a resumed run adds a checkpoint instead of overwriting ckpt-1 (the
-    # save counter starts at 0 in every process).
-    saved = job.manager.save(checkpoint_number=int(job.optimizer.iterations.numpy()))
+    saved = job.save_checkpoint()
     summary = _summary(config, strategy, history, stats, worker_stats, evaluation, wall,
                        steps_measured, t1 - t0, start_step, saved)
     summary.update(_data_fields(data_report))
     summary["skipped_checkpoints"] = job.skipped_checkpoints
+    summary["periodic_checkpoints"] = len(periodic.saved) if periodic else 0
     summary.update(_log_fields(config))
     with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)

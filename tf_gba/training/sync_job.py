@@ -236,10 +236,30 @@ def run_worker(config: dict) -> dict:
   begin = time.perf_counter()
   interval_begin = begin
   warm = None  # (time, global steps) after the first interval: tracing and start-up excluded
+  # Every worker saves (MultiWorkerMirroredStrategy may need them all to take part); only the
+  # chief's copy is kept, in model_dir.
+  scratch = None if is_chief else tempfile.mkdtemp(prefix="tf_gba_sync_worker_")
+  manager = tf.train.CheckpointManager(checkpoint, cfg.model_dir if is_chief else scratch,
+                                       max_to_keep=cfg.keep_checkpoints)
+  # Periodic checkpoints: every worker must save at the same step, so the step interval is in
+  # global steps (worker steps / workers) and the time interval is agreed on at the logging
+  # points, through an all-reduce of each worker's clock.
+  every = max(1, cfg.checkpoint_every_steps // num_workers) if cfg.checkpoint_every_steps else 0
+  last_save = time.perf_counter()
+  periodic = 0
   for step in range(1, total + 1):
     losses.append(strategy.experimental_local_results(train_step(iterator))[0])
+    if every and step % every == 0 and step != total:
+      manager.save(checkpoint_number=int(optimizer.iterations.numpy()))
+      periodic += 1
+      last_save = time.perf_counter()
     if step % cfg.log_every and step != total:
       continue
+    if (cfg.checkpoint_every_secs and step != total and
+        worker_mean(float(time.perf_counter() - last_save >= cfg.checkpoint_every_secs)) > 0):
+      manager.save(checkpoint_number=int(optimizer.iterations.numpy()))
+      periodic += 1
+      last_save = time.perf_counter()
     local = float(np.mean([x.numpy() for x in losses]))  # waits for the interval's steps
     losses.clear()
     now = time.perf_counter()
@@ -275,11 +295,6 @@ def run_worker(config: dict) -> dict:
   global_step = int(optimizer.iterations.numpy())
   digest = _digest(list(model.weights) + list(optimizer.variables))
 
-  # Every worker saves (MultiWorkerMirroredStrategy may need them all to take part); only the
-  # chief's copy is kept, in model_dir.
-  scratch = None if is_chief else tempfile.mkdtemp(prefix="tf_gba_sync_worker_")
-  manager = tf.train.CheckpointManager(checkpoint, cfg.model_dir if is_chief else scratch,
-                                       max_to_keep=3)
   saved = manager.save(checkpoint_number=global_step)
   if scratch:
     shutil.rmtree(scratch, ignore_errors=True)
@@ -292,6 +307,7 @@ def run_worker(config: dict) -> dict:
       "train_seconds": end - begin, "final_train_loss": final_loss,
       "interval_losses": interval_losses, "weights_digest": digest,
       "restored_from": restored_from, "restored_digest": restored_digest,
+      "periodic_checkpoints": periodic,
   }
   if is_chief:
     evaluation = evaluate()
@@ -366,6 +382,7 @@ def summarize(config: TrainConfig, results: List[dict]) -> dict:
       "final_train_loss": chief["final_train_loss"], "eval_auc": chief["eval_auc"],
       "eval_logloss": chief["eval_logloss"], "eval_examples": chief["eval_examples"],
       "checkpoint": chief["checkpoint"],
+      "periodic_checkpoints": chief.get("periodic_checkpoints", 0),
   }
 
 
