@@ -13,8 +13,12 @@ type "ps" and "worker" serve (with tf_gba's ops loaded), the task of type "chief
 
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 # Whether the user chose TensorFlow's C++ log level; if not, --verbosity=debug lowers it.
 _USER_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL" in os.environ
@@ -89,6 +93,10 @@ def define_flags() -> None:
   flags.DEFINE_float("checkpoint_every_secs", 0.0,
                      "Also write a checkpoint every S seconds during training (0: off).")
   flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept in model_dir (the newest).")
+  flags.DEFINE_integer("max_restarts", 3,
+                       "Local runs of the parameter-server modes: how many times the job is "
+                       "started again, from its last checkpoint, after a parameter server or "
+                       "this coordinator died (0: never). Dead workers are restarted anyway.")
   flags.DEFINE_bool("keep_logs", False,
                     "Keep the log files of this process and of the local cluster's servers (in "
                     "<model_dir>/logs); by default they go to a temporary directory deleted at "
@@ -179,18 +187,80 @@ def _fail(message: str) -> None:
   os._exit(2)  # pylint: disable=protected-access
 
 
+# tf_gba.training.recovery.EXIT_RESTART (not imported: the supervisor stays free of TensorFlow).
+_EXIT_RESTART = 75
+_SUPERVISOR_ENV = "TF_GBA_SUPERVISOR_PID"
+
+
+def _supervised() -> bool:
+  """Whether this process should run the job as a child it restarts after a failure."""
+  return (not os.environ.get("TF_CONFIG") and FLAGS.max_restarts > 0 and
+          FLAGS.mode not in ("sync", "dts") and _SUPERVISOR_ENV not in os.environ)
+
+
+def _supervise() -> int:
+  """Runs the job in a child process; starts it again when it lost a parameter server or died.
+
+  A dead parameter server takes the variables with it, and TF cannot reconnect a coordinator to a
+  new one: the whole job (coordinator and local cluster) starts again and resumes from the last
+  checkpoint, toward the same target (tf_gba.training.recovery). A child killed by a signal (the
+  coordinator itself died) is started again the same way.
+  """
+  restarts = 0
+  env = dict(os.environ, **{_SUPERVISOR_ENV: str(os.getpid())})
+  while True:
+    child = subprocess.Popen([sys.executable] + sys.argv, env=env)
+    try:
+      rc = child.wait()
+    except KeyboardInterrupt:
+      child.send_signal(signal.SIGINT)
+      return child.wait()
+    if rc not in (_EXIT_RESTART, -signal.SIGKILL, -signal.SIGSEGV, -signal.SIGABRT):
+      return rc
+    restarts += 1
+    if restarts > FLAGS.max_restarts:
+      print(f"train.py: error: the job failed {restarts} times; rerun the same command to resume "
+            f"from the last checkpoint in {FLAGS.model_dir}.", file=sys.stderr, flush=True)
+      return 1
+    print(f"train.py: restarting the job from its last checkpoint (restart {restarts} of at most "
+          f"{FLAGS.max_restarts}).", file=sys.stderr, flush=True)
+    time.sleep(1.0)
+
+
+def _watch_supervisor(pid: int) -> None:
+  # The supervisor died (killed with the user's command): this job goes too, and its servers
+  # with it; rerunning the command resumes.
+  while os.getppid() == pid:
+    time.sleep(1.0)
+  os._exit(1)  # pylint: disable=protected-access
+
+
 def _entry(argv):
+  if _supervised():
+    sys.stdout.flush()
+    os._exit(_supervise())  # pylint: disable=protected-access
+  if _SUPERVISOR_ENV in os.environ:
+    threading.Thread(target=_watch_supervisor, args=(int(os.environ[_SUPERVISOR_ENV]),),
+                     daemon=True).start()
   if _debug() and not _USER_LOG_LEVEL:
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
   if not FLAGS["verbosity"].present:
     _quiet_stderr()  # before TensorFlow is imported: its start-up notices come at import
   from tf_gba.training import preflight  # pylint: disable=g-import-not-at-top
+  from tf_gba.training import recovery  # pylint: disable=g-import-not-at-top
   try:
     main(argv)
   except preflight.InputError as e:
     if _debug():
       raise
     _fail(str(e))
+  except recovery.ParameterServerLost as e:
+    if _debug():
+      raise
+    print(f"train.py: {e}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    _end_logs(keep=False)
+    os._exit(recovery.EXIT_RESTART)  # pylint: disable=protected-access
   except BaseException as e:  # pylint: disable=broad-except
     # A malformed row past the pre-flight scan, met by a worker under --strict_data.
     if _debug() or "Malformed" not in str(e):
