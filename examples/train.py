@@ -97,6 +97,10 @@ def define_flags() -> None:
                        "Local runs of the parameter-server modes: how many times the job is "
                        "started again, from its last checkpoint, after a parameter server or "
                        "this coordinator died (0: never). Dead workers are restarted anyway.")
+  flags.DEFINE_bool("private_network", True,
+                    "Local runs: put the job (coordinator and servers) in a network namespace of "
+                    "its own, so that other hosts cannot reach its unauthenticated TF servers "
+                    "(README: Security). Turn off to read data over the network (gs://, ...).")
   flags.DEFINE_bool("keep_logs", False,
                     "Keep the log files of this process and of the local cluster's servers (in "
                     "<model_dir>/logs); by default they go to a temporary directory deleted at "
@@ -235,7 +239,29 @@ def _watch_supervisor(pid: int) -> None:
   os._exit(1)  # pylint: disable=protected-access
 
 
+def _isolate() -> None:
+  """A local run: the job's servers in a private network namespace, or a one-line warning."""
+  if os.environ.get("TF_CONFIG") or _SUPERVISOR_ENV in os.environ:
+    return  # a real cluster's task; or the supervisor has done it for the whole job
+  why = "--noprivate_network"
+  if FLAGS.private_network:
+    # Imported from its file: the supervisor stays free of TensorFlow (tf_gba imports it).
+    import importlib.util  # pylint: disable=g-import-not-at-top
+    spec = importlib.util.spec_from_file_location(
+        "_tf_gba_private_network", os.path.join(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), "tf_gba", "distribute", "private_network.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    why = module.enter()
+    if why is None:
+      return
+  print(f"train.py: warning: the local cluster's TF servers accept unauthenticated connections "
+        f"from any host that can reach this machine while the run lasts (no private network: "
+        f"{why}); run on a trusted network (README: Security).", file=sys.stderr, flush=True)
+
+
 def _entry(argv):
+  _isolate()
   if _supervised():
     sys.stdout.flush()
     os._exit(_supervise())  # pylint: disable=protected-access
