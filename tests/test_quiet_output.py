@@ -59,34 +59,32 @@ def test_verbosity_brings_tensorflow_logs_back(tmp_path):
 
 
 _TEARDOWN = textwrap.dedent("""
-    import tensorflow as tf
-    from tf_gba.distribute import LocalCluster
+    import os
+    from tf_gba.training import TrainConfig, run
 
-    def test_cluster_goes_away():
-      with LocalCluster(num_ps=1, num_workers=1) as cluster:
-        tf.config.experimental_connect_to_cluster(cluster.resolver())
-        with tf.device("/job:worker/task:0"):
-          assert float(tf.function(lambda: tf.constant(2.0) * 3)()) == 6.0
-      # The servers are gone; a new function is registered on every remote task of the
-      # context, and TF logs each failure.
-      tf.function(lambda: tf.constant(1.0) + 1)()
+    def test_a_small_run():
+      run(TrainConfig(num_workers=2, steps=20, log_every=10, local_batch_size=64,
+                      eval_examples=512, stragglers="none", data_options="num_examples=20000",
+                      model_dir=os.environ["MODEL_DIR"]))
 
     if __name__ == "__main__":
-      test_cluster_goes_away()
+      test_a_small_run()
 """)
 
 
 def test_pytest_output_has_no_connection_refused(tmp_path):
   script = tmp_path / "test_teardown_noise.py"
   script.write_text(_TEARDOWN)
-  # Without the conftest hook (a plain run of the same code), TF does write the lines: the check
-  # below can fail.
+  env = dict(_env(), MODEL_DIR=str(tmp_path / "m"))
+  # Without the conftest hook (a plain run of the same code), TF does write the lines at exit:
+  # the check below can fail.
   plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=300, env=_env(), cwd=_ROOT, check=False)
+                         timeout=300, env=env, cwd=_ROOT, check=False)
   assert "Connection refused" in plain.stdout + plain.stderr
+  env["MODEL_DIR"] = str(tmp_path / "m2")
   proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest",
                          "-p", "no:cacheprovider", str(script)], capture_output=True, text=True,
-                        timeout=300, env=_env(), cwd=_ROOT, check=False)
+                        timeout=300, env=env, cwd=_ROOT, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "1 passed" in proc.stdout
   assert "Connection refused" not in proc.stdout + proc.stderr

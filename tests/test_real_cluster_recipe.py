@@ -35,20 +35,23 @@ def test_readme_tf_config_recipe_trains(tmp_path):
   small = (f" --model_dir={tmp_path / 'run'} --steps=40 --log_every=20 --local_batch_size=64"
            " --eval_examples=512 --stragglers=none --data_options=num_examples=20000"
            " --num_workers=2")
-  lines = [l + small if '"chief"' in l else l for l in script.splitlines()]
-  assert sum('"chief"' in l for l in lines) == 1 and sum(l.endswith("&") for l in lines) == 3
+  chief = '\\"type\\": \\"chief\\"'  # as written in the TF_CONFIG of the chief's line
+  lines = [l + small if chief in l else l for l in script.splitlines()]
+  assert sum(chief in l for l in lines) == 1 and sum(l.endswith("&") for l in lines) == 3
   env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.Popen(["bash", "-c", "\n".join(lines)], cwd=_ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True)
+  # Output to files: the servers keep theirs open after bash (and the chief) are done.
+  with open(tmp_path / "out", "w") as out_f, open(tmp_path / "err", "w") as err_f:
+    proc = subprocess.Popen(["bash", "-c", "\n".join(lines)], cwd=_ROOT, env=env, stdout=out_f,
+                            stderr=err_f, start_new_session=True)
   try:
-    out, err = proc.communicate(timeout=400)
+    proc.wait(timeout=400)
   finally:
     # The servers serve until stopped (as on a real cluster); they are this session's processes.
     try:
       os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
       pass
+  out, err = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
   assert proc.returncode == 0, err[-3000:]
   with open(tmp_path / "run" / "summary.json") as f:
     summary = json.load(f)

@@ -70,8 +70,8 @@ def check_data(config: TrainConfig) -> dict:
     data_lib.data_info(config.data, **kwargs)
   except (ValueError, tf.errors.OpError) as e:
     message = _first_line(e)
-    # The data module's messages already name the spec.
-    raise InputError(message if message.startswith("Data spec") else
+    # The data module's messages mostly name the spec already.
+    raise InputError(message if config.data in message else
                      f"--data={config.data}: {message}") from None
   kind = config.data.partition(":")[0].strip().lower()
   if kind == "criteo":
