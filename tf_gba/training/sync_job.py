@@ -382,7 +382,6 @@ def summarize(config: TrainConfig, results: List[dict]) -> dict:
       "final_train_loss": chief["final_train_loss"], "eval_auc": chief["eval_auc"],
       "eval_logloss": chief["eval_logloss"], "eval_examples": chief["eval_examples"],
       "checkpoint": chief["checkpoint"],
-      "periodic_checkpoints": chief.get("periodic_checkpoints", 0),
   }
 
 
