@@ -12,8 +12,16 @@ type "ps" and "worker" serve (with tf_gba's ops loaded), the task of type "chief
 """
 
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
+import time
 
+# Whether the user chose TensorFlow's C++ log level; if not, --verbosity=debug lowers it.
+_USER_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL" in os.environ
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app  # noqa: E402
@@ -94,6 +102,24 @@ def define_flags() -> None:
                       "Options of the data source as key=value,... e.g. num_examples=500000,"
                       "num_days=3,drift=0.2 (synthetic), vocab_size=100000 (criteo), num_days=7 "
                       "(movielens100k).")
+  flags.DEFINE_integer("checkpoint_every_steps", 0,
+                       "Also write a checkpoint every N worker steps during training (0: only at "
+                       "the end).")
+  flags.DEFINE_float("checkpoint_every_secs", 0.0,
+                     "Also write a checkpoint every S seconds during training (0: off).")
+  flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept in model_dir (the newest).")
+  flags.DEFINE_integer("max_restarts", 3,
+                       "Local runs of the parameter-server modes: how many times the job is "
+                       "started again, from its last checkpoint, after a parameter server or "
+                       "this coordinator died (0: never). Dead workers are restarted anyway.")
+  flags.DEFINE_bool("private_network", True,
+                    "Local runs: put the job (coordinator and servers) in a network namespace of "
+                    "its own, so that other hosts cannot reach its unauthenticated TF servers "
+                    "(README: Security). Turn off to read data over the network (gs://, ...).")
+  flags.DEFINE_bool("keep_logs", False,
+                    "Keep the log files of this process and of the local cluster's servers (in "
+                    "<model_dir>/logs); by default they go to a temporary directory deleted at "
+                    "the end of the run.")
 
 
 def _task_type() -> str:
@@ -126,23 +152,190 @@ def main(argv=None):
       hop_bs_bound=FLAGS.hop_bs_bound, hop_bs_timeout_s=FLAGS.hop_bs_timeout_s,
       hop_bw_backup=FLAGS.hop_bw_backup, sparse_normalize=FLAGS.sparse_normalize,
       async_tuned_learning_rate=FLAGS.async_tuned_learning_rate,
-      async_tuned_local_batch_size=FLAGS.async_tuned_local_batch_size)
-  try:
-    config.validate()
-  except ValueError as e:
-    raise app.UsageError(str(e)) from None
+      async_tuned_local_batch_size=FLAGS.async_tuned_local_batch_size,
+      log_dir=_LOGS.get("dir"), keep_logs=FLAGS.keep_logs,
+      checkpoint_every_steps=FLAGS.checkpoint_every_steps,
+      checkpoint_every_secs=FLAGS.checkpoint_every_secs, keep_checkpoints=FLAGS.keep_checkpoints)
   return run(config)
 
 
+# The run's log directory: {"dir": path} once _quiet_stderr has chosen it.
+_LOGS = {}
+
+
+def _quiet_stderr() -> None:
+  """Sends what TensorFlow's C++ runtime writes on stderr to a log file; Python keeps the terminal.
+
+  TF and gRPC log start-up notices and, when the local cluster goes away, lines about remote
+  handles they can no longer reach, straight to file descriptor 2: no Python setting silences them.
+  Descriptor 2 is pointed at `coordinator.log` in the run's log directory (the servers' logs go
+  there too), while `sys.stderr` keeps a copy of the terminal for progress, errors and
+  tracebacks.
+  """
+  if FLAGS.keep_logs:
+    log_dir = os.path.join(FLAGS.model_dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+  else:
+    log_dir = tempfile.mkdtemp(prefix="tf_gba_logs_")
+  _LOGS["dir"] = log_dir
+  terminal = os.dup(2)
+  fd = os.open(os.path.join(log_dir, "coordinator.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+               0o644)
+  os.dup2(fd, 2)
+  os.close(fd)
+  sys.stderr = os.fdopen(terminal, "w", buffering=1)
+
+
+def _end_logs(keep: bool) -> None:
+  log_dir = _LOGS.get("dir")
+  if not log_dir:
+    return
+  if keep or FLAGS.keep_logs:
+    print(f"train.py: logs kept in {log_dir}", file=sys.stderr, flush=True)
+  else:
+    shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _debug() -> bool:
+  """--verbosity=debug (1) or more: tracebacks and TensorFlow's own logs are shown."""
+  return FLAGS["verbosity"].present and FLAGS.verbosity >= 1
+
+
+def _fail(message: str) -> None:
+  """One line on stderr and exit code 2: the user's input is at fault, not the program."""
+  print(f"train.py: error: {message}", file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  _end_logs(keep=False)
+  os._exit(2)  # pylint: disable=protected-access
+
+
+# tf_gba.training.recovery.EXIT_RESTART (not imported: the supervisor stays free of TensorFlow).
+_EXIT_RESTART = 75
+_SUPERVISOR_ENV = "TF_GBA_SUPERVISOR_PID"
+
+
+def _supervised() -> bool:
+  """Whether this process should run the job as a child it restarts after a failure."""
+  return (not os.environ.get("TF_CONFIG") and FLAGS.max_restarts > 0 and
+          FLAGS.mode not in ("sync", "dts") and _SUPERVISOR_ENV not in os.environ)
+
+
+def _supervise() -> int:
+  """Runs the job in a child process; starts it again when it lost a parameter server or died.
+
+  A dead parameter server takes the variables with it, and TF cannot reconnect a coordinator to a
+  new one: the whole job (coordinator and local cluster) starts again and resumes from the last
+  checkpoint, toward the same target (tf_gba.training.recovery). A child killed by a signal (the
+  coordinator itself died) is started again the same way.
+  """
+  restarts = 0
+  env = dict(os.environ, **{_SUPERVISOR_ENV: str(os.getpid())})
+  while True:
+    child = subprocess.Popen([sys.executable] + sys.argv, env=env)
+    try:
+      rc = child.wait()
+    except KeyboardInterrupt:
+      child.send_signal(signal.SIGINT)
+      return child.wait()
+    if rc not in (_EXIT_RESTART, -signal.SIGKILL, -signal.SIGSEGV, -signal.SIGABRT):
+      return rc
+    restarts += 1
+    if restarts > FLAGS.max_restarts:
+      print(f"train.py: error: the job failed {restarts} times; rerun the same command to resume "
+            f"from the last checkpoint in {FLAGS.model_dir}.", file=sys.stderr, flush=True)
+      return 1
+    print(f"train.py: restarting the job from its last checkpoint (restart {restarts} of at most "
+          f"{FLAGS.max_restarts}).", file=sys.stderr, flush=True)
+    time.sleep(1.0)
+
+
+def _watch_supervisor(pid: int) -> None:
+  # The supervisor died (killed with the user's command): this job goes too, and its servers
+  # with it; rerunning the command resumes.
+  while os.getppid() == pid:
+    time.sleep(1.0)
+  os._exit(1)  # pylint: disable=protected-access
+
+
+def _isolate() -> None:
+  """A local run: the job's servers in a private network namespace, or a one-line warning."""
+  if os.environ.get("TF_CONFIG") or _SUPERVISOR_ENV in os.environ:
+    return  # a real cluster's task; or the supervisor has done it for the whole job
+  why = "--noprivate_network"
+  if FLAGS.private_network:
+    # Imported from its file: the supervisor stays free of TensorFlow (tf_gba imports it).
+    import importlib.util  # pylint: disable=g-import-not-at-top
+    spec = importlib.util.spec_from_file_location(
+        "_tf_gba_private_network", os.path.join(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), "tf_gba", "distribute", "private_network.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    why = module.enter()
+    if why is None:
+      return
+  print(f"train.py: warning: the local cluster's TF servers accept unauthenticated connections "
+        f"from any host that can reach this machine while the run lasts (no private network: "
+        f"{why}); run on a trusted network (README: Security).", file=sys.stderr, flush=True)
+
+
 def _entry(argv):
-  main(argv)
+  _isolate()
+  if _supervised():
+    sys.stdout.flush()
+    os._exit(_supervise())  # pylint: disable=protected-access
+  if _SUPERVISOR_ENV in os.environ:
+    threading.Thread(target=_watch_supervisor, args=(int(os.environ[_SUPERVISOR_ENV]),),
+                     daemon=True).start()
+  if _debug() and not _USER_LOG_LEVEL:
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+  if not FLAGS["verbosity"].present:
+    _quiet_stderr()  # before TensorFlow is imported: its start-up notices come at import
+  from tf_gba.training import preflight  # pylint: disable=g-import-not-at-top
+  from tf_gba.training import recovery  # pylint: disable=g-import-not-at-top
+  try:
+    main(argv)
+  except preflight.InputError as e:
+    if _debug():
+      raise
+    _fail(str(e))
+  except recovery.ParameterServerLost as e:
+    if _debug():
+      raise
+    print(f"train.py: {e}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    _end_logs(keep=False)
+    os._exit(recovery.EXIT_RESTART)  # pylint: disable=protected-access
+  except BaseException as e:  # pylint: disable=broad-except
+    # A malformed row past the pre-flight scan, met by a worker under --strict_data.
+    if _debug() or "Malformed" not in str(e):
+      _end_logs(keep=True)  # they may say what went wrong
+      raise
+    line = next(l for l in str(e).splitlines() if "Malformed" in l).strip()
+    _fail(f"--strict_data: {line[line.index('Malformed'):][:300]}; fix or remove the row, or "
+          "drop --strict_data to skip malformed rows.")
   sys.stdout.flush()
   sys.stderr.flush()
+  _end_logs(keep=False)
   # The local cluster is already gone; skipping interpreter teardown spares the log TF would
   # write about remote handles it can no longer release.
   os._exit(0)
 
 
+# absl's --verbosity takes a number; these names are accepted too (debug = 1: TF's logs and
+# tracebacks are shown).
+_VERBOSITY_NAMES = {"debug": "1", "info": "0", "warning": "-1", "error": "-2", "fatal": "-3"}
+
+
+def _named_verbosity(argv):
+  out = []
+  for arg in argv:
+    name, sep, value = arg.partition("=")
+    if sep and name in ("--verbosity", "-v") and value.lower() in _VERBOSITY_NAMES:
+      arg = f"{name}={_VERBOSITY_NAMES[value.lower()]}"
+    out.append(arg)
+  return out
+
+
 if __name__ == "__main__":
   define_flags()
-  app.run(_entry)
+  app.run(_entry, argv=_named_verbosity(sys.argv))

@@ -6,3 +6,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 import tf_gba  # noqa: E402,F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+
+
+def pytest_unconfigure(config):
+  """After pytest's report: what TF's C++ runtime writes at exit goes to a file, not the terminal.
+
+  At interpreter exit TF tries to release remote handles on the servers of the tests' local
+  clusters, long gone by then, and logs a "Failed to register function remotely ... Connection
+  refused" block for each on file descriptor 2, past pytest's capture. Nothing there is about the
+  tests' results; the file keeps it for whoever wants to look.
+  """
+  del config
+  import tempfile  # pylint: disable=g-import-not-at-top
+  fd = os.open(os.path.join(tempfile.gettempdir(), f"tf_gba_pytest_exit_{os.getpid()}.log"),
+               os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+  os.dup2(fd, 2)
+  os.close(fd)

@@ -5,10 +5,10 @@ import json
 import os
 
 import pytest
-from absl import app
 from absl import flags
 
 from tests import shared_data
+from tf_gba.training import preflight
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -167,9 +167,9 @@ def test_bad_sparse_normalize_is_refused():
 
 
 def test_bad_flag_combination_is_refused(tmp_path):
-  with pytest.raises(app.UsageError, match="not a multiple"):
+  with pytest.raises(preflight.InputError, match="not a multiple"):
     _run(tmp_path, global_batch_size=1000, local_batch_size=300)
-  with pytest.raises(app.UsageError, match="straggler"):
+  with pytest.raises(preflight.InputError, match="straggler"):
     _run(tmp_path, global_batch_size=None, stragglers="sometimes")
 
 

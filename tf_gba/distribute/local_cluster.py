@@ -9,11 +9,13 @@ exit by themselves if this process dies.
 import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Dict, List, Optional
 
@@ -44,11 +46,17 @@ class LocalCluster:
     start_timeout: seconds to wait for every server to report ready.
     env: extra environment for the server processes (e.g. straggler settings).
     inter_op_threads: inter-op threads per server (0: num_workers + 2).
+    log_dir: where each server's log (`ps_0.log`, ...) goes; kept. None: a temporary directory,
+      deleted when the cluster stops unless `keep_logs` or the cluster stops on an exception.
+    keep_logs: keep the temporary log directory.
+    restart_workers: start a worker again, at its address, when its process dies: the
+      coordinator (ParameterServerStrategy) then runs the dead worker's closures there again.
   """
 
   def __init__(self, num_ps: int = 1, num_workers: int = 2, host: str = "127.0.0.1",
                start_timeout: float = 120.0, env: Optional[Dict[str, str]] = None,
-               inter_op_threads: int = 0):
+               inter_op_threads: int = 0, log_dir: Optional[str] = None,
+               keep_logs: bool = False, restart_workers: bool = False):
     if num_ps < 1:
       raise ValueError(f"num_ps must be >= 1, got {num_ps}.")
     if num_workers < 1:
@@ -59,7 +67,10 @@ class LocalCluster:
     self._inter_op = inter_op_threads or num_workers + 2
     self._procs: Dict[str, subprocess.Popen] = {}
     self._logs: Dict[str, str] = {}
-    self._logdir = tempfile.mkdtemp(prefix="tf_gba_cluster_")
+    if log_dir:
+      os.makedirs(log_dir, exist_ok=True)
+    self._logdir = log_dir or tempfile.mkdtemp(prefix="tf_gba_cluster_")
+    self._delete_logs = not (log_dir or keep_logs)
     ports = free_ports(num_ps + num_workers + 1, host)
     addr = [f"{host}:{p}" for p in ports]
     self.cluster_spec = {
@@ -68,6 +79,10 @@ class LocalCluster:
         "worker": addr[1 + num_ps:],
     }
     self._started = False
+    self._stopping = False
+    self._restart_workers = restart_workers
+    # Servers started again after their process died, per job.
+    self.restarts = {"ps": 0, "worker": 0}
 
   # ---- lifecycle ---------------------------------------------------------------------------------
   def start(self) -> "LocalCluster":
@@ -80,8 +95,10 @@ class LocalCluster:
         for i in range(len(self.cluster_spec[job])):
           self._spawn(job, i)
       self._wait_ready()
+      if self._restart_workers:
+        threading.Thread(target=self._monitor, daemon=True, name="LocalCluster-monitor").start()
     except BaseException:
-      self.stop()
+      self.stop(keep_logs=True)
       raise
     return self
 
@@ -98,7 +115,8 @@ class LocalCluster:
            "--cluster_spec", json.dumps(self.cluster_spec), "--job_name", job,
            "--task_index", str(index), "--inter_op_threads", str(self._inter_op),
            "--exit_with_parent"]
-    with open(log, "wb") as f:
+    # Appended to: a restarted server's log follows the one of the process it replaces.
+    with open(log, "ab") as f:
       # A session of its own, so Ctrl-C in a terminal reaches only us; we stop the servers.
       self._procs[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                            stdin=subprocess.DEVNULL, env=env,
@@ -122,7 +140,23 @@ class LocalCluster:
                            f"logs in {self._logdir}.")
       time.sleep(0.2)
 
-  def stop(self) -> None:
+  def _monitor(self) -> None:
+    while not self._stopping:
+      for name, proc in list(self._procs.items()):
+        job, index = name.split(":")
+        if job == "worker" and proc.poll() is not None and not self._stopping:
+          self._spawn(job, int(index))
+          self.restarts["worker"] += 1
+      time.sleep(0.5)
+
+  def dead(self, job: str = "ps") -> List[str]:
+    """The servers of `job` whose process has exited ("ps:0", ...)."""
+    return [name for name, proc in self._procs.items()
+            if name.startswith(job + ":") and proc.poll() is not None]
+
+  def stop(self, keep_logs: bool = False) -> None:
+    """Stops every server; deletes a temporary log directory unless `keep_logs`."""
+    self._stopping = True
     for proc in self._procs.values():
       if proc.poll() is None:
         try:
@@ -139,6 +173,13 @@ class LocalCluster:
         except ProcessLookupError:
           pass
         proc.wait()
+    if self._delete_logs and not keep_logs:
+      shutil.rmtree(self._logdir, ignore_errors=True)
+      self._delete_logs = False
+
+  @property
+  def log_dir(self) -> str:
+    return self._logdir
 
   def kill(self, job: str, index: int) -> None:
     """Kills one server abruptly (failure tests)."""
@@ -153,8 +194,9 @@ class LocalCluster:
   def __enter__(self) -> "LocalCluster":
     return self.start()
 
-  def __exit__(self, *exc) -> None:
-    self.stop()
+  def __exit__(self, exc_type, *_) -> None:
+    # On an exception the servers' logs may say why: they stay.
+    self.stop(keep_logs=exc_type is not None)
 
   # ---- access ------------------------------------------------------------------------------------
   @property

@@ -116,8 +116,16 @@ def worker_step_stats(num_workers: int) -> List[dict]:
   """Reads each worker process's step counters (eagerly, from the coordinator)."""
   out = []
   for i in range(num_workers):
-    with tf.device(WORKER_DEVICE.format(i)):
-      steps, busy, delay, first = [int(x) for x in _ops().gba_worker_step_stats().numpy()]
+    try:
+      with tf.device(WORKER_DEVICE.format(i)):
+        steps, busy, delay, first = [int(x) for x in _ops().gba_worker_step_stats().numpy()]
+    except tf.errors.OpError:
+      # A worker restarted after its process died is not a device of this eager context any
+      # more (the training closures reach it through the coordinator), and the dead process's
+      # counters are gone with it: zeros, marked.
+      out.append({"worker": i, "steps": 0, "busy_seconds": 0.0, "delay_seconds": 0.0,
+                  "first_step_unix": 0.0, "unreachable": True})
+      continue
     out.append({"worker": i, "steps": steps, "busy_seconds": busy * 1e-9,
                 "delay_seconds": delay * 1e-9, "first_step_unix": first * 1e-9})
   return out

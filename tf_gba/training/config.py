@@ -45,6 +45,15 @@ class TrainConfig:
   eval_day: Optional[int] = None
   seed: int = 0
   strict_data: bool = False
+  # Where the local cluster's servers write their logs (None: a temporary directory, deleted with
+  # the cluster), and whether the binary keeps them after the run.
+  log_dir: Optional[str] = None
+  keep_logs: bool = False
+  # Periodic checkpoints during training (0: off; a checkpoint is always written at the end), in
+  # worker steps as --steps, and in seconds; how many checkpoints model_dir keeps.
+  checkpoint_every_steps: int = 0
+  checkpoint_every_secs: float = 0.0
+  keep_checkpoints: int = 3
   data_options: str = ""
   # Async mode keeps the GBA wrapper with M = 1 (every push applied at once) to measure staleness;
   # False runs the bare inner optimizer, ParameterServerStrategy's own asynchronous training.
@@ -124,7 +133,20 @@ class TrainConfig:
                        f"{self.async_tuned_local_batch_size}.")
     if not self.learning_rate > 0:
       raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
+    if self.checkpoint_every_steps < 0 or self.checkpoint_every_secs < 0:
+      raise ValueError("--checkpoint_every_steps and --checkpoint_every_secs must be >= 0 (0: "
+                       f"off), got {self.checkpoint_every_steps} and "
+                       f"{self.checkpoint_every_secs}.")
+    if self.keep_checkpoints < 1:
+      raise ValueError(f"--keep_checkpoints must be >= 1, got {self.keep_checkpoints}.")
+    if self.eval_examples < 1:
+      raise ValueError(f"--eval_examples must be >= 1, got {self.eval_examples}.")
+    if self.day is not None and self.day < 0:
+      raise ValueError(f"--day must be >= 0 (unset: every day), got {self.day}.")
     if self.global_batch_size is not None:
+      if self.global_batch_size < 1:
+        raise ValueError(f"--global_batch_size must be >= 1 (unset: local x workers), got "
+                         f"{self.global_batch_size}.")
       if self.global_batch_size % self.local_batch_size:
         raise ValueError(
             f"--global_batch_size={self.global_batch_size} is not a multiple of "

@@ -27,6 +27,8 @@ from tf_gba.ops import worker_clock
 from tf_gba.optimizers import GBA
 from tf_gba.training import metrics
 from tf_gba.training import config as config_lib
+from tf_gba.training import preflight
+from tf_gba.training import recovery
 from tf_gba.training import resharding
 from tf_gba.training.config import TrainConfig
 
@@ -60,7 +62,9 @@ def _cluster(config: TrainConfig):
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     yield resolver, None
     return
-  with LocalCluster(num_ps=config.num_ps, num_workers=config.num_workers) as cluster:
+  with LocalCluster(num_ps=config.num_ps, num_workers=config.num_workers,
+                    log_dir=config.log_dir, keep_logs=config.keep_logs,
+                    restart_workers=True) as cluster:
     yield cluster.resolver(), cluster
 
 
@@ -76,9 +80,12 @@ class _Progress(keras.callbacks.Callback):
 
   def on_epoch_end(self, epoch, logs=None):
     job = self._job
-    steps = (epoch + 1) * job.config.log_every
+    steps = (epoch + 1) * epoch_steps(job.config)
+    if steps % job.config.log_every and steps < job.config.steps:
+      return  # an epoch that ends at a checkpoint only
     elapsed = time.time() - self._t0
     stats = _optimizer_stats(job.optimizer)
+    recovery.report(job.config.model_dir, stats["global_step"])
     dense = stats["dense"] or {}
     loss = (logs or {}).get("loss", float("nan"))
     qps = steps * job.config.local_batch_size / max(elapsed, 1e-9)
@@ -111,6 +118,46 @@ class _Progress(keras.callbacks.Callback):
         tf.summary.scalar("eval/logloss", result["logloss"])
         _log(f"  eval at step {steps}: AUC {result['auc']:.4f}  logloss {result['logloss']:.4f}")
     job.writer.flush()
+
+
+def epoch_steps(config: TrainConfig) -> int:
+  """Worker steps per `fit` epoch: each logging and each checkpoint point ends an epoch.
+
+  ParameterServerStrategy takes no batch-level callbacks, and at an epoch's end `fit` waits for
+  every step scheduled: a checkpoint written there holds exactly the steps counted.
+  """
+  return math.gcd(config.log_every, config.checkpoint_every_steps or config.log_every)
+
+
+class PeriodicCheckpoint(keras.callbacks.Callback):
+  """Writes a checkpoint every `checkpoint_every_steps` worker steps or `checkpoint_every_secs`.
+
+  The checkpoint is numbered by the global step it holds (the optimizer's iterations, with GBA's
+  tokens and row tags in the same checkpoint). Each write is atomic: TF writes the files under
+  temporary names, renames them, and only then points the `checkpoint` state file at them (itself
+  replaced by a rename), so a process killed mid-write leaves the previous checkpoint the newest
+  one listed. The time interval is checked at the end of each epoch (see `epoch_steps`).
+  """
+
+  def __init__(self, job: "_Job"):
+    super().__init__()
+    self._job = job
+    self._last_steps = 0
+    self._last_time = time.time()
+    self.saved = []
+
+  def on_epoch_end(self, epoch, logs=None):
+    cfg = self._job.config
+    steps = (epoch + 1) * epoch_steps(cfg)
+    if steps >= cfg.steps:
+      return  # the run's last checkpoint follows
+    due_steps = (cfg.checkpoint_every_steps and
+                 steps - self._last_steps >= cfg.checkpoint_every_steps)
+    due_time = (cfg.checkpoint_every_secs and
+                time.time() - self._last_time >= cfg.checkpoint_every_secs)
+    if due_steps or due_time:
+      self.saved.append(self._job.save_checkpoint())
+      self._last_steps, self._last_time = steps, time.time()
 
 
 def eval_dataset(cfg: TrainConfig, data_kwargs: dict) -> tf.data.Dataset:
@@ -155,24 +202,29 @@ class _Job:
       # under the scope, so optimizers that read state before each step can register with it.
       self.optimizer.build(self.model.trainable_variables)
     self.checkpoint = tf.train.Checkpoint(model=self.model)
-    self.manager = tf.train.CheckpointManager(self.checkpoint, config.model_dir, max_to_keep=3)
-    self.restored_from = None
-    if self.manager.latest_checkpoint:
-      # Whatever mode and shard count wrote it (sync: every variable whole; another number of
-      # parameter servers): parameters, slots, iterations, GBA tokens and row tags carry over.
-      try:
-        resharding.restore_training_state(self.manager.latest_checkpoint, self.model,
-                                          self.optimizer)
-      except resharding.CheckpointMismatchError:
-        if config.mode != config_lib.ASYNC_TUNED:
-          raise
-        # Inherited from another mode's Adam: async_tuned keeps the parameters and starts its
-        # own optimizer (Adagrad) afresh, as the paper's separately tuned Async does.
-        self._restore_weights_only(strategy, self.manager.latest_checkpoint)
-      self.restored_from = self.manager.latest_checkpoint
+    self.manager = tf.train.CheckpointManager(self.checkpoint, config.model_dir,
+                                              max_to_keep=config.keep_checkpoints)
+    # Whatever mode and shard count wrote it (sync: every variable whole; another number of
+    # parameter servers): parameters, slots, iterations, GBA tokens and row tags carry over. A
+    # truncated newest checkpoint is passed over for the one before it.
+    try:
+      self.restored_from, self.skipped_checkpoints = preflight.restore_latest_usable(
+          config.model_dir, lambda path: self._restore(strategy, path), _log)
+    except resharding.CheckpointMismatchError as e:
+      raise preflight.InputError(preflight.restore_mismatch_message(config, e)) from None
     self.writer = tf.summary.create_file_writer(os.path.join(config.model_dir, "tensorboard"))
     self._eval_model = None
     self._eval_data = None
+
+  def _restore(self, strategy, path):
+    try:
+      resharding.restore_training_state(path, self.model, self.optimizer)
+    except resharding.CheckpointMismatchError:
+      if self.config.mode != config_lib.ASYNC_TUNED:
+        raise
+      # Inherited from another mode's Adam: async_tuned keeps the parameters and starts its
+      # own optimizer (Adagrad) afresh, as the paper's separately tuned Async does.
+      self._restore_weights_only(strategy, path)
 
   def _restore_weights_only(self, strategy, path):
     """Model weights from a checkpoint written with Adam, whatever its shard layout."""
@@ -180,6 +232,16 @@ class _Job:
       donor = keras.optimizers.Adam()
       donor.build(self.model.trainable_variables)
     resharding.restore_training_state(path, self.model, donor)
+
+  def save_checkpoint(self) -> str:
+    """Writes a checkpoint numbered by global step (atomic: see PeriodicCheckpoint)."""
+    step = int(self.optimizer.iterations.numpy())
+    latest = self.manager.latest_checkpoint
+    if latest and latest.endswith(f"-{step}"):
+      return latest  # nothing new since the last one
+    # Numbered by global step: a resumed run adds a checkpoint instead of overwriting ckpt-1 (the
+    # save counter starts at 0 in every process).
+    return self.manager.save(checkpoint_number=step)
 
   def dataset_fn(self, ctx: Optional[tf.distribute.InputContext]):
     """Worker i of N reads shard i of N of the training rows, as in synchronous training.
@@ -224,20 +286,26 @@ class _Job:
 
 def run(config: TrainConfig) -> dict:
   """Trains as `config` says and returns the summary."""
-  config.validate()
+  # Flags, data and model_dir, before any server starts: a fault is one line, not a traceback
+  # from a worker a minute later.
+  data_report = preflight.check(config)
   # TensorFlow's own INFO lines (cluster specs, closures) would bury the progress lines.
   tf.get_logger().setLevel("WARNING")
   absl_logging.set_verbosity(absl_logging.WARNING)
   os.makedirs(config.model_dir, exist_ok=True)
   if config.mode == "dts":
-    return _run_dts(config)
+    preflight.write_metadata(config)
+    return _add_data_report(config, _run_dts(config), data_report)
   if config.mode == "sync":
     from tf_gba.training import sync_job  # pylint: disable=g-import-not-at-top
-    return sync_job.run_sync(config)
+    preflight.write_metadata(config)
+    return _add_data_report(config, sync_job.run_sync(config), data_report)
   config = config.resolved()
-  with _cluster(config) as (resolver, _):
+  with _cluster(config) as (resolver, cluster):
     strategy = make_strategy(config, resolver)
     job = _Job(config, strategy)
+    # After the restore: a checkpoint of unknown origin that did not fit has raised by now.
+    preflight.write_metadata(config)
     start_step = int(job.optimizer.iterations.numpy())
     _log(f"tf_gba: mode={config.mode} model={config.model} data={config.data} "
          f"ps={strategy.num_ps} workers={strategy.num_workers} M={config.num_aggregate} "
@@ -245,39 +313,88 @@ def run(config: TrainConfig) -> dict:
          f"stragglers={config.stragglers}"
          + (f" restored from {job.restored_from} (global step {start_step})"
             if job.restored_from else ""))
-    epochs = math.ceil(config.steps / config.log_every)
+    # Where the run ends, in global steps; a rerun after a failure goes on to the same target.
+    m = config.num_aggregate
+    run_steps = math.ceil(config.steps / epoch_steps(config)) * epoch_steps(config)
+    resume = recovery.begin(config.model_dir, config.mode, config.steps, start_step,
+                            target_if_new=start_step + run_steps // m)
+    if resume.resumed:
+      left = max(0, resume.target_global_step - start_step) * m
+      _log(f"tf_gba: resuming an interrupted run (restart {resume.restarts}): global step "
+           f"{start_step} of {resume.target_global_step}, {left} worker steps left, "
+           f"{resume.steps_redone} global steps redone so far")
+      job.config = config = dataclasses.replace(config, steps=max(left, 1))
+    epochs = math.ceil(config.steps / epoch_steps(config)) if not (
+        resume.resumed and resume.target_global_step <= start_step) else 0
     progress = _Progress(job)
+    callbacks = [progress]
+    periodic = None
+    if config.checkpoint_every_steps or config.checkpoint_every_secs:
+      periodic = PeriodicCheckpoint(job)
+      callbacks.append(periodic)
     t0 = time.time()
-    history = job.model.fit(keras.utils.experimental.DatasetCreator(job.dataset_fn),
-                            epochs=epochs, steps_per_epoch=config.log_every, verbose=0,
-                            callbacks=[progress])
+    history = keras.callbacks.History()
+    history.history = {}
+    try:
+      if epochs:
+        history = job.model.fit(keras.utils.experimental.DatasetCreator(job.dataset_fn),
+                                epochs=epochs, steps_per_epoch=epoch_steps(config), verbose=0,
+                                callbacks=callbacks)
+    except Exception as e:  # pylint: disable=broad-except
+      _raise_if_ps_lost(e, cluster)
+      raise
     t1 = time.time()
     worker_stats = strategy.worker_step_stats()
     # Throughput over the steady state: the first interval pays for tracing and start-up.
     if epochs > 1 and progress.warm is not None:
       warm_time, warm_steps, warm_workers = progress.warm
-      wall, steps_measured = t1 - warm_time, epochs * config.log_every - warm_steps
+      wall, steps_measured = t1 - warm_time, epochs * epoch_steps(config) - warm_steps
       for w, w0 in zip(worker_stats, warm_workers):
         w["measured_steps"] = w["steps"] - w0["steps"]
     else:
-      wall, steps_measured = t1 - t0, epochs * config.log_every
+      wall, steps_measured = t1 - t0, epochs * epoch_steps(config)
       for w in worker_stats:
         w["measured_steps"] = w["steps"]
     stats = _optimizer_stats(job.optimizer)
     stats["hop_bs"] = strategy.hop_bs_stats()
     stats["hop_bw"] = strategy.hop_bw_stats()
     evaluation = job.evaluate()
-    saved = job.manager.save()
+    saved = job.save_checkpoint()
+    recovery.report(config.model_dir, stats["global_step"], finished=True)
     summary = _summary(config, strategy, history, stats, worker_stats, evaluation, wall,
                        steps_measured, t1 - t0, start_step, saved)
+    summary.update(_data_fields(data_report))
+    summary["skipped_checkpoints"] = job.skipped_checkpoints
+    summary["periodic_checkpoints"] = len(periodic.saved) if periodic else 0
+    summary.update(_log_fields(config))
+    summary.update({
+        "target_global_step": resume.target_global_step, "restarts": resume.restarts,
+        "steps_redone": resume.steps_redone,
+        # Worker batches computed again: those of the global steps redone.
+        "batches_reread": resume.steps_redone * m,
+        "worker_restarts": cluster.restarts["worker"] if cluster is not None else 0})
     with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
-    with job.writer.as_default(step=epochs * config.log_every):
+    with job.writer.as_default(step=epochs * epoch_steps(config)):
       tf.summary.scalar("eval/auc", evaluation["auc"])
       tf.summary.scalar("eval/logloss", evaluation["logloss"])
     job.writer.flush()
     print_summary(summary)
     return summary
+
+
+def _raise_if_ps_lost(error: Exception, cluster) -> None:
+  """Raises ParameterServerLost if `error` comes from a parameter server that went away."""
+  dead = cluster.dead("ps") if cluster is not None else []
+  text = str(error)
+  unreachable = isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError,
+                                   tf.errors.CancelledError, tf.errors.NotFoundError))
+  if dead or (unreachable and "/job:ps" in text):
+    what = ", ".join(dead) if dead else "a parameter server"
+    raise recovery.ParameterServerLost(
+        f"{what} died or became unreachable ({type(error).__name__}); its variables are lost. "
+        "Rerun the same command (once every server is back) to resume from the last checkpoint "
+        "in model_dir.") from error
 
 
 def _run_dts(config: TrainConfig) -> dict:
@@ -327,6 +444,31 @@ def _run_dts(config: TrainConfig) -> dict:
   return summary
 
 
+def _log_fields(config: TrainConfig) -> dict:
+  return {"logs": config.log_dir, "logs_kept": config.keep_logs} if config.log_dir else {}
+
+
+def _data_fields(report: dict) -> dict:
+  return {"malformed_rows": report["malformed_rows"], "data_rows_checked": report["rows_checked"],
+          "data_fully_checked": report["fully_checked"]}
+
+
+def _add_data_report(config: TrainConfig, summary: dict, report: dict) -> dict:
+  """The data scan's counts in a summary printed by another job (sync, dts), and a line."""
+  summary.update(_data_fields(report))
+  with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  if summary["data_rows_checked"]:
+    _log(_data_line(summary))
+  return summary
+
+
+def _data_line(s: dict) -> str:
+  scope = "" if s["data_fully_checked"] else " (of the first rows, read before training)"
+  return (f"  malformed rows        {s['malformed_rows']} of {s['data_rows_checked']:,} rows "
+          f"checked{scope}, skipped")
+
+
 def _optimizer_stats(optimizer) -> dict:
   if isinstance(optimizer, GBA):
     return optimizer.stats()
@@ -337,7 +479,7 @@ def _optimizer_stats(optimizer) -> dict:
 
 def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, steps_measured,
              total_wall, start_step, saved) -> dict:
-  steps_run = config.log_every * len(history.history.get("loss", []))
+  steps_run = epoch_steps(config) * len(history.history.get("loss", []))
   dense = stats["dense"] or {}
   dense_all = stats["dense_all_variables"] or {}
   sparse = stats["sparse"] or {}
@@ -414,6 +556,13 @@ def print_summary(s: dict) -> None:
       f"  eval AUC              {s['eval_auc']:.4f}",
       f"  eval logloss          {s['eval_logloss']:.4f}",
       f"  checkpoint            {s['checkpoint']}",
+      *([f"  recovery              {s['restarts']} restarts, {s['steps_redone']} global steps "
+         f"redone ({s['batches_reread']} batches re-read), {s['worker_restarts']} workers "
+         "restarted"] if s.get("restarts") or s.get("worker_restarts") else []),
+      *([_data_line(s)] if s.get("data_rows_checked") else []),
+      *([f"  logs                  {s['logs']}"
+         + ("" if s["logs_kept"] else "  (deleted at exit; --keep_logs keeps them)")]
+        if s.get("logs") else []),
       "=" * 72,
   ]
   _log("\n".join(lines))

@@ -37,6 +37,7 @@ from tf_gba import models as models_lib
 from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.distribute.dts_training import evaluate_binary
 from tf_gba.training import config as config_lib
+from tf_gba.training import preflight
 from tf_gba.training import resharding
 from tf_gba.training.config import TrainConfig
 
@@ -102,11 +103,12 @@ def build_and_restore(cfg: TrainConfig, strategy, info=None):
     # Slots now, so that a restore fills them and the checkpoint has the parameter-server modes'
     # layout (model -> optimizer -> Adam's slots).
     optimizer.build(model.trainable_variables)
-  latest = tf.train.latest_checkpoint(cfg.model_dir) if os.path.isdir(cfg.model_dir) else None
-  if latest:
-    # Checkpoints of the parameter-server modes may hold a sharded embedding and GBA state; the
-    # resharding restore maps them onto this unsharded model.
-    resharding.restore_training_state(latest, model, optimizer)
+  # Checkpoints of the parameter-server modes may hold a sharded embedding and GBA state; the
+  # resharding restore maps them onto this unsharded model. A truncated newest checkpoint is
+  # passed over for the one before it.
+  latest, _ = preflight.restore_latest_usable(
+      cfg.model_dir, lambda path: resharding.restore_training_state(path, model, optimizer),
+      lambda line: print(line, flush=True))
   return model, optimizer, latest
 
 
@@ -234,10 +236,30 @@ def run_worker(config: dict) -> dict:
   begin = time.perf_counter()
   interval_begin = begin
   warm = None  # (time, global steps) after the first interval: tracing and start-up excluded
+  # Every worker saves (MultiWorkerMirroredStrategy may need them all to take part); only the
+  # chief's copy is kept, in model_dir.
+  scratch = None if is_chief else tempfile.mkdtemp(prefix="tf_gba_sync_worker_")
+  manager = tf.train.CheckpointManager(checkpoint, cfg.model_dir if is_chief else scratch,
+                                       max_to_keep=cfg.keep_checkpoints)
+  # Periodic checkpoints: every worker must save at the same step, so the step interval is in
+  # global steps (worker steps / workers) and the time interval is agreed on at the logging
+  # points, through an all-reduce of each worker's clock.
+  every = max(1, cfg.checkpoint_every_steps // num_workers) if cfg.checkpoint_every_steps else 0
+  last_save = time.perf_counter()
+  periodic = 0
   for step in range(1, total + 1):
     losses.append(strategy.experimental_local_results(train_step(iterator))[0])
+    if every and step % every == 0 and step != total:
+      manager.save(checkpoint_number=int(optimizer.iterations.numpy()))
+      periodic += 1
+      last_save = time.perf_counter()
     if step % cfg.log_every and step != total:
       continue
+    if (cfg.checkpoint_every_secs and step != total and
+        worker_mean(float(time.perf_counter() - last_save >= cfg.checkpoint_every_secs)) > 0):
+      manager.save(checkpoint_number=int(optimizer.iterations.numpy()))
+      periodic += 1
+      last_save = time.perf_counter()
     local = float(np.mean([x.numpy() for x in losses]))  # waits for the interval's steps
     losses.clear()
     now = time.perf_counter()
@@ -273,11 +295,6 @@ def run_worker(config: dict) -> dict:
   global_step = int(optimizer.iterations.numpy())
   digest = _digest(list(model.weights) + list(optimizer.variables))
 
-  # Every worker saves (MultiWorkerMirroredStrategy may need them all to take part); only the
-  # chief's copy is kept, in model_dir.
-  scratch = None if is_chief else tempfile.mkdtemp(prefix="tf_gba_sync_worker_")
-  manager = tf.train.CheckpointManager(checkpoint, cfg.model_dir if is_chief else scratch,
-                                       max_to_keep=3)
   saved = manager.save(checkpoint_number=global_step)
   if scratch:
     shutil.rmtree(scratch, ignore_errors=True)
@@ -290,6 +307,7 @@ def run_worker(config: dict) -> dict:
       "train_seconds": end - begin, "final_train_loss": final_loss,
       "interval_losses": interval_losses, "weights_digest": digest,
       "restored_from": restored_from, "restored_digest": restored_digest,
+      "periodic_checkpoints": periodic,
   }
   if is_chief:
     evaluation = evaluate()

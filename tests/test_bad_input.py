@@ -1,0 +1,172 @@
+"""Bad input to the training binary: one line on stderr that says what to fix, exit code 2.
+
+The binary runs as a subprocess, as a user runs it; the faults are found before any server starts
+(except the checkpoint faults, which need a run to write checkpoints first).
+"""
+
+import glob
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests import shared_data
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SMALL = ["--num_workers=1", "--num_ps=1", "--steps=20", "--log_every=10",
+          "--local_batch_size=64", "--eval_examples=512", "--stragglers=none"]
+
+
+def _train(*args, timeout=300):
+  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  return subprocess.run([sys.executable, os.path.join(_ROOT, "examples", "train.py"), *_SMALL,
+                         *args], capture_output=True, text=True, timeout=timeout, env=env,
+                        cwd=_ROOT, check=False)
+
+
+def _error_line(proc) -> str:
+  """The one line the binary printed for the user; fails if there is more (or a traceback)."""
+  assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1, proc.stderr[-3000:]
+  assert lines[0].startswith("train.py: error: "), lines
+  return lines[0]
+
+
+def _criteo_rows(n):
+  path = os.path.join(shared_data.require("criteo_sample"), "train_8k.tsv.gz")
+  with gzip.open(path, "rt") as f:
+    return [next(f).rstrip("\n") for _ in range(n)]
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--global_batch_size=-256"], "--global_batch_size must be >= 1"),
+    (["--global_batch_size=0"], "--global_batch_size must be >= 1"),
+    (["--global_batch_size=100"], "is not a multiple of --local_batch_size=64"),
+    (["--eval_examples=-5"], "--eval_examples must be >= 1, got -5"),
+    (["--eval_examples=0"], "--eval_examples must be >= 1, got 0"),
+    (["--steps=0"], "--steps must be >= 1"),
+    (["--num_workers=0"], "--num_workers must be >= 1"),
+    (["--local_batch_size=-1"], "--local_batch_size must be >= 1"),
+    (["--learning_rate=0"], "--learning_rate must be > 0"),
+    (["--day=-1"], "--day must be >= 0"),
+    (["--eval_every=-1"], "--eval_every must be >= 0"),
+    (["--stragglers=sometimes"], "straggler"),
+    (["--data_options=vocab"], "--data_options: expected key=value"),
+    (["--data=criteo:/nonexistent/train.txt"], "nothing at '/nonexistent/train.txt'"),
+    (["--data=movielens100k:/nonexistent"], "nothing at '/nonexistent'"),
+    (["--data=parquet:/x"], "Unknown data spec 'parquet:/x'"),
+])
+def test_flags_out_of_range(tmp_path, flags, expected):
+  line = _error_line(_train(*flags, f"--model_dir={tmp_path / 'm'}"))
+  assert expected in line
+  assert not (tmp_path / "m").exists()  # refused before anything was written
+
+
+def test_empty_file(tmp_path):
+  (tmp_path / "empty.tsv").write_text("")
+  line = _error_line(_train(f"--data=criteo:{tmp_path / 'empty.tsv'}",
+                            f"--model_dir={tmp_path / 'm'}"))
+  assert "holds no rows" in line
+
+
+def test_mostly_malformed_file(tmp_path):
+  rows = _criteo_rows(600)
+  # Two rows in three cut to 20 characters: 400 malformed rows out of 600.
+  cut = [r if i % 3 == 2 else r[:20] for i, r in enumerate(rows)]
+  (tmp_path / "cut.tsv").write_text("\n".join(cut) + "\n")
+  line = _error_line(_train(f"--data=criteo:{tmp_path / 'cut.tsv'}",
+                            f"--model_dir={tmp_path / 'm'}"))
+  assert "400 of the 600 rows checked are malformed" in line
+  fields = len(cut[0].split("\t"))
+  assert f"{tmp_path / 'cut.tsv'}:1: has {fields} tab-separated fields, expected 40" in line
+
+
+def test_strict_data_fails_on_the_first_malformed_row(tmp_path):
+  rows = _criteo_rows(300)
+  rows[41] = rows[41][:20]  # line 42
+  rows[99] = "x"
+  (tmp_path / "one.tsv").write_text("\n".join(rows) + "\n")
+  line = _error_line(_train(f"--data=criteo:{tmp_path / 'one.tsv'}", "--strict_data",
+                            f"--model_dir={tmp_path / 'm'}"))
+  assert f"--strict_data: Malformed Criteo row at {tmp_path / 'one.tsv'}:42:" in line
+
+
+def test_corrupt_gzip(tmp_path):
+  (tmp_path / "train.tsv.gz").write_bytes(b"not gzip at all\n" * 10)
+  line = _error_line(_train(f"--data=criteo:{tmp_path / 'train.tsv.gz'}",
+                            f"--model_dir={tmp_path / 'm'}"))
+  assert "cannot read the files" in line and "incorrect header check" in line
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
+                    reason="root reads files whatever their permissions")
+def test_unreadable_file(tmp_path):
+  path = tmp_path / "train.tsv"
+  path.write_text("\n".join(_criteo_rows(10)) + "\n")
+  path.chmod(0)
+  line = _error_line(_train(f"--data=criteo:{path}", f"--model_dir={tmp_path / 'm'}"))
+  assert "permission denied" in line
+
+
+def test_model_dir_is_a_file(tmp_path):
+  (tmp_path / "f").write_text("x")
+  line = _error_line(_train(f"--model_dir={tmp_path / 'f'}"))
+  assert "is a file; give a directory" in line
+
+
+def test_debug_verbosity_shows_the_traceback(tmp_path):
+  proc = _train("--eval_examples=0", "--verbosity=debug", f"--model_dir={tmp_path / 'm'}")
+  assert proc.returncode != 0 and "Traceback" in proc.stderr
+  assert "--eval_examples must be >= 1" in proc.stderr
+
+
+def _summary(model_dir):
+  with open(os.path.join(model_dir, "summary.json")) as f:
+    return json.load(f)
+
+
+def test_malformed_rows_counted_other_model_and_truncated_checkpoint(tmp_path):
+  """One model_dir through a run's life: malformed rows counted, another model refused, the
+  newest checkpoint cut short and passed over for the one before it."""
+  rows = _criteo_rows(600)
+  data = [r if i % 3 != 2 else r[:20] for i, r in enumerate(rows)]
+  (tmp_path / "d.tsv").write_text("\n".join(data) + "\n")
+  # Reference: a row is malformed when it has other than 40 tab-separated fields (the other
+  # faults do not occur in the sample).
+  expected_bad = sum(len(r.split("\t")) != 40 for r in data)
+  assert expected_bad == 200
+  model_dir = str(tmp_path / "m")
+  common = [f"--data=criteo:{tmp_path / 'd.tsv'}", f"--model_dir={model_dir}"]
+
+  first = _train(*common)
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert _summary(model_dir)["malformed_rows"] == expected_bad
+  assert _summary(model_dir)["data_rows_checked"] == 600
+  assert f"malformed rows        {expected_bad} of 600 rows checked, skipped" in first.stdout
+
+  line = _error_line(_train(*common, "--model=dcn"))
+  assert "this directory holds a deepfm checkpoint" in line and "--model=dcn" in line
+  line = _error_line(_train(*common, "--embedding_dim=4"))
+  assert "--embedding_dim=8" in line
+
+  second = _train(*common)
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert _summary(model_dir)["start_global_step"] == 20
+  assert _summary(model_dir)["checkpoint"].endswith("ckpt-40")
+
+  for data_file in glob.glob(os.path.join(model_dir, "ckpt-40.data-*")):
+    size = os.path.getsize(data_file)
+    with open(data_file, "r+b") as f:
+      f.truncate(size // 2)
+  third = _train(*common, "--mode=async")  # a mode switch stays allowed
+  assert third.returncode == 0, third.stderr[-3000:]
+  assert "ckpt-40 is unreadable" in third.stdout
+  assert "resuming from" in third.stdout and "ckpt-20, the newest readable" in third.stdout
+  summary = _summary(model_dir)
+  assert summary["start_global_step"] == 20 and summary["mode"] == "async"
+  assert summary["skipped_checkpoints"] == [os.path.join(model_dir, "ckpt-40")]

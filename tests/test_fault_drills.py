@@ -1,0 +1,216 @@
+"""Fault drills: kill -9 of a worker, a parameter server or the coordinator in the middle of a run.
+
+Each drill runs the training binary as a user does (a subprocess, real server processes on
+127.0.0.1), waits until training is under way, kills one process with SIGKILL and checks that the
+run (or, for the coordinator, the rerun of the same command) ends at the requested global step,
+with at most one checkpoint interval of steps trained again, and an AUC close to the one of an
+undisturbed run. Every drill runs under a time limit: a hang fails it.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_STEPS = 400          # worker steps
+_CHECKPOINT_EVERY = 40  # worker steps
+_TIME_LIMIT_S = 420
+
+
+def _command(mode, model_dir):
+  return [sys.executable, os.path.join(_ROOT, "examples", "train.py"), f"--mode={mode}",
+          "--num_ps=1", "--num_workers=2", f"--steps={_STEPS}", "--log_every=20",
+          f"--checkpoint_every_steps={_CHECKPOINT_EVERY}", "--local_batch_size=64",
+          "--eval_examples=4096", "--stragglers=none", "--data_options=num_examples=20000",
+          f"--model_dir={model_dir}"]
+
+
+def _env():
+  return dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+class _Run:
+  """The binary as a subprocess, its output collected as it comes."""
+
+  def __init__(self, mode, model_dir):
+    self.proc = subprocess.Popen(_command(mode, model_dir), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=_env(), cwd=_ROOT)
+    self.out, self.err = [], []
+    self._threads = [threading.Thread(target=self._pump, args=(s, b), daemon=True)
+                     for s, b in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+    for t in self._threads:
+      t.start()
+
+  @staticmethod
+  def _pump(stream, lines):
+    for line in stream:
+      lines.append(line)
+
+  def wait_for(self, text, deadline):
+    while time.time() < deadline:
+      if any(text in line for line in self.out):
+        return
+      if self.proc.poll() is not None:
+        break
+      time.sleep(0.2)
+    pytest.fail(f"{text!r} not seen; stdout:\n{''.join(self.out)[-3000:]}\nstderr:\n"
+                f"{''.join(self.err)[-3000:]}")
+
+  def finish(self, deadline):
+    try:
+      rc = self.proc.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+      _kill_tree(self.proc.pid)
+      pytest.fail(f"no end before the time limit (a hang); stdout:\n{''.join(self.out)[-3000:]}")
+    for t in self._threads:
+      t.join(10)
+    return rc
+
+
+def _children(pid):
+  out = []
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+      continue
+    if ppid == pid:
+      out.append(int(entry))
+  return out
+
+
+def _descendants(pid):
+  found, todo = [], [pid]
+  while todo:
+    for child in _children(todo.pop()):
+      found.append(child)
+      todo.append(child)
+  return found
+
+
+def _cmdline(pid):
+  try:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+      return f.read().replace(b"\0", b" ").decode()
+  except OSError:
+    return ""
+
+
+def _server(root_pid, job, index):
+  for pid in _descendants(root_pid):
+    cmd = _cmdline(pid)
+    if ("tf_gba.distribute.server" in cmd and f"--job_name {job} " in cmd and
+        f"--task_index {index} " in cmd):
+      return pid
+  pytest.fail(f"no {job}:{index} server under process {root_pid}")
+
+
+def _kill_tree(pid):
+  for p in [pid] + _descendants(pid):
+    try:
+      os.kill(p, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+
+
+def _alive(pid):
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+def _summary(model_dir):
+  with open(os.path.join(model_dir, "summary.json")) as f:
+    return json.load(f)
+
+
+_UNDISTURBED = {}
+
+
+def _undisturbed(mode, tmp_path_factory):
+  """AUC of the same run with no fault (once per mode)."""
+  if mode not in _UNDISTURBED:
+    model_dir = str(tmp_path_factory.mktemp(f"undisturbed_{mode}"))
+    deadline = time.time() + _TIME_LIMIT_S
+    run = _Run(mode, model_dir)
+    assert run.finish(deadline) == 0, "".join(run.err)[-3000:]
+    _UNDISTURBED[mode] = _summary(model_dir)
+  return _UNDISTURBED[mode]
+
+
+def _check_finished(summary, mode, reference):
+  m = summary["num_aggregate"]
+  assert summary["global_step"] == summary["target_global_step"] == _STEPS // m
+  # At most one checkpoint interval (in global steps) trained again.
+  assert summary["steps_redone"] <= _CHECKPOINT_EVERY // m
+  assert summary["batches_reread"] == summary["steps_redone"] * m
+  # Within noise of the undisturbed run (the same seed; only the order of pushes differs).
+  assert abs(summary["eval_auc"] - reference["eval_auc"]) < 0.03, (summary["eval_auc"],
+                                                                  reference["eval_auc"])
+  assert summary["mode"] == mode
+
+
+@pytest.mark.parametrize("mode", ["gba", "async"])
+def test_killed_worker_is_restarted_and_the_run_goes_on(tmp_path, tmp_path_factory, mode):
+  reference = _undisturbed(mode, tmp_path_factory)
+  model_dir = str(tmp_path / "m")
+  deadline = time.time() + _TIME_LIMIT_S
+  run = _Run(mode, model_dir)
+  run.wait_for("step 100/", deadline)
+  os.kill(_server(run.proc.pid, "worker", 0), signal.SIGKILL)
+  assert run.finish(deadline) == 0, "".join(run.err)[-3000:]
+  summary = _summary(model_dir)
+  assert summary["worker_restarts"] >= 1 and summary["restarts"] == 0
+  _check_finished(summary, mode, reference)
+
+
+@pytest.mark.parametrize("mode", ["gba", "async"])
+def test_killed_parameter_server_resumes_from_the_last_checkpoint(tmp_path, tmp_path_factory,
+                                                                  mode):
+  reference = _undisturbed(mode, tmp_path_factory)
+  model_dir = str(tmp_path / "m")
+  deadline = time.time() + _TIME_LIMIT_S
+  run = _Run(mode, model_dir)
+  run.wait_for("step 140/", deadline)
+  os.kill(_server(run.proc.pid, "ps", 0), signal.SIGKILL)
+  assert run.finish(deadline) == 0, "".join(run.err)[-3000:]
+  err = "".join(run.err)
+  assert "ps:0 died or became unreachable" in err and "restarting the job" in err
+  assert "resuming an interrupted run (restart 1)" in "".join(run.out)
+  summary = _summary(model_dir)
+  assert summary["restarts"] == 1
+  assert summary["start_global_step"] > 0  # from a periodic checkpoint, not from scratch
+  _check_finished(summary, mode, reference)
+
+
+@pytest.mark.parametrize("mode", ["gba", "async"])
+def test_killed_coordinator_resumes_when_the_command_is_rerun(tmp_path, tmp_path_factory, mode):
+  reference = _undisturbed(mode, tmp_path_factory)
+  model_dir = str(tmp_path / "m")
+  deadline = time.time() + _TIME_LIMIT_S
+  run = _Run(mode, model_dir)
+  run.wait_for("step 140/", deadline)
+  tree = [run.proc.pid] + _descendants(run.proc.pid)
+  os.kill(run.proc.pid, signal.SIGKILL)  # the command the user started
+  run.finish(deadline)
+  # The job under it and every server go by themselves.
+  while time.time() < deadline and any(_alive(p) for p in tree):
+    time.sleep(0.5)
+  assert not any(_alive(p) for p in tree)
+  rerun = _Run(mode, model_dir)
+  assert rerun.finish(deadline) == 0, "".join(rerun.err)[-3000:]
+  assert "resuming an interrupted run (restart 1)" in "".join(rerun.out)
+  summary = _summary(model_dir)
+  assert summary["restarts"] == 1 and summary["start_global_step"] > 0
+  _check_finished(summary, mode, reference)

@@ -1,0 +1,85 @@
+"""Resuming a run after a process died: where the run is going, and what the failures cost.
+
+`model_dir/tf_gba_progress.json` records the run's target (the global step it ends at), the last
+global step it reported and, once it ends, that it finished. A run that finds an unfinished
+record of the same command (the same --steps and --mode) resumes toward that target from the last
+checkpoint, instead of training --steps more; a finished record starts a new run, as before.
+
+Why a file next to the checkpoints: a killed coordinator (or a killed parameter server, which
+takes the job's state with it) leaves only model_dir behind, and a rerun of the same command, by a
+user, a supervisor loop (examples/train.py) or a cluster's restart policy, must know how far the
+run meant to go and how far it had got.
+"""
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+# Exit code of a run that lost a parameter server: the job can go on from its last checkpoint
+# (EX_TEMPFAIL: try again).
+EXIT_RESTART = 75
+PROGRESS_FILE = "tf_gba_progress.json"
+
+
+class ParameterServerLost(RuntimeError):
+  """A parameter server died: its variables are gone; the run resumes from the last checkpoint."""
+
+
+@dataclasses.dataclass
+class Progress:
+  target_global_step: int
+  start_global_step: int
+  restarts: int = 0          # resumptions of this run after a failure
+  steps_redone: int = 0      # global steps trained again after the resumptions (at least)
+  resumed: bool = False
+
+
+def _path(model_dir: str) -> str:
+  return os.path.join(model_dir, PROGRESS_FILE)
+
+
+def read(model_dir: str) -> Optional[dict]:
+  try:
+    with open(_path(model_dir)) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def _write(model_dir: str, record: dict) -> None:
+  # Written, then renamed: a process killed meanwhile leaves the previous record whole.
+  tmp = _path(model_dir) + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(record, f, indent=2)
+  os.replace(tmp, _path(model_dir))
+
+
+def begin(model_dir: str, mode: str, steps: int, start_global_step: int,
+          target_if_new: int) -> Progress:
+  """The progress of the run starting now at `start_global_step` (restored from a checkpoint)."""
+  prev = read(model_dir)
+  if (prev and not prev.get("finished") and prev.get("steps") == steps and
+      prev.get("mode") == mode and prev.get("target_global_step", 0) >= start_global_step):
+    # The global step last reported before the failure, minus the one restored: trained again.
+    redone = max(0, int(prev.get("global_step", start_global_step)) - start_global_step)
+    progress = Progress(int(prev["target_global_step"]), start_global_step,
+                        int(prev.get("restarts", 0)) + 1,
+                        int(prev.get("steps_redone", 0)) + redone, resumed=True)
+  else:
+    progress = Progress(target_if_new, start_global_step)
+  _write(model_dir, {"mode": mode, "steps": steps, "target_global_step":
+                     progress.target_global_step, "global_step": start_global_step,
+                     "restarts": progress.restarts, "steps_redone": progress.steps_redone,
+                     "finished": False})
+  return progress
+
+
+def report(model_dir: str, global_step: int, finished: bool = False) -> None:
+  """Records the global step reached (at each progress line, and at the end)."""
+  record = read(model_dir)
+  if record is None:
+    return
+  record["global_step"] = int(global_step)
+  record["finished"] = bool(finished)
+  _write(model_dir, record)
