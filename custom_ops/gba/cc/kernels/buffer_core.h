@@ -240,6 +240,32 @@ class BufferStatsOp : public ::tensorflow::OpKernel {
   }
 };
 
+// Registers the create and stats kernels of a buffer type, `Kind` being Dense or Sparse, on the
+// CPU and, in CUDA builds, on the GPU: there they only touch the host-side bookkeeping (every
+// stats output in host memory), so that a buffer created under tf.device("/GPU:0") lives in that
+// device's resource manager, next to its pushes.
+#define TF_GBA_REGISTER_BUFFER_CREATE_AND_STATS_CPU(Kind, Buffer)                            \
+  REGISTER_KERNEL_BUILDER(Name("GBA>" #Kind "BufferCreate").Device(::tensorflow::DEVICE_CPU), \
+                          BufferCreateOp<Buffer>);                                           \
+  REGISTER_KERNEL_BUILDER(Name("GBA>" #Kind "BufferStats").Device(::tensorflow::DEVICE_CPU),  \
+                          BufferStatsOp<Buffer>)
+#if GOOGLE_CUDA
+#define TF_GBA_REGISTER_BUFFER_CREATE_AND_STATS(Kind, Buffer)                                \
+  TF_GBA_REGISTER_BUFFER_CREATE_AND_STATS_CPU(Kind, Buffer);                                 \
+  REGISTER_KERNEL_BUILDER(Name("GBA>" #Kind "BufferCreate").Device(::tensorflow::DEVICE_GPU), \
+                          BufferCreateOp<Buffer>);                                           \
+  REGISTER_KERNEL_BUILDER(Name("GBA>" #Kind "BufferStats")                                   \
+                              .Device(::tensorflow::DEVICE_GPU)                              \
+                              .HostMemory("global_step")                                     \
+                              .HostMemory("entries")                                         \
+                              .HostMemory("counters")                                        \
+                              .HostMemory("histogram"),                                      \
+                          BufferStatsOp<Buffer>)
+#else
+#define TF_GBA_REGISTER_BUFFER_CREATE_AND_STATS(Kind, Buffer) \
+  TF_GBA_REGISTER_BUFFER_CREATE_AND_STATS_CPU(Kind, Buffer)
+#endif  // GOOGLE_CUDA
+
 }  // namespace tf_gba
 
 #endif  // TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_BUFFER_CORE_H_

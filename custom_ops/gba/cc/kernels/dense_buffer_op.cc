@@ -265,9 +265,6 @@ class DenseGradientBuffer : public ::tensorflow::ResourceBase {
   int64_t kept_ TF_GUARDED_BY(mu_) = 0;  // entries with a non-zero weight in the current batch
 };
 
-using DenseBufferCreateOp = BufferCreateOp<DenseGradientBuffer>;
-using DenseBufferStatsOp = BufferStatsOp<DenseGradientBuffer>;
-
 template <typename Device, typename T>
 class DenseBufferPushOp : public OpKernel {
   using Acc = Accumulator<T>;
@@ -354,10 +351,7 @@ class DenseBufferSetStepOp : public OpKernel {
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("GBA>DenseBufferCreate").Device(::tensorflow::DEVICE_CPU),
-                        DenseBufferCreateOp);
-REGISTER_KERNEL_BUILDER(Name("GBA>DenseBufferStats").Device(::tensorflow::DEVICE_CPU),
-                        DenseBufferStatsOp);
+TF_GBA_REGISTER_BUFFER_CREATE_AND_STATS(Dense, DenseGradientBuffer);
 REGISTER_KERNEL_BUILDER(Name("GBA>DenseBufferSetStep").Device(::tensorflow::DEVICE_CPU),
                         DenseBufferSetStepOp);
 
@@ -377,15 +371,6 @@ TF_CALL_double(REGISTER_PUSH);
 // host, so every scalar input and output is in host memory. Create/Stats/SetStep only touch that
 // bookkeeping; they have GPU registrations so that a buffer created under tf.device("/GPU:0")
 // lives in that device's resource manager, next to its pushes.
-REGISTER_KERNEL_BUILDER(Name("GBA>DenseBufferCreate").Device(::tensorflow::DEVICE_GPU),
-                        DenseBufferCreateOp);
-REGISTER_KERNEL_BUILDER(Name("GBA>DenseBufferStats")
-                            .Device(::tensorflow::DEVICE_GPU)
-                            .HostMemory("global_step")
-                            .HostMemory("entries")
-                            .HostMemory("counters")
-                            .HostMemory("histogram"),
-                        DenseBufferStatsOp);
 REGISTER_KERNEL_BUILDER(
     Name("GBA>DenseBufferSetStep").Device(::tensorflow::DEVICE_GPU).HostMemory("global_step"),
     DenseBufferSetStepOp);

@@ -395,9 +395,6 @@ Status SparseGradientBuffer::Aggregate(OpKernelContext* ctx, const Acc* pool) {
   return ::tensorflow::OkStatus();
 }
 
-using SparseBufferCreateOp = BufferCreateOp<SparseGradientBuffer>;
-using SparseBufferStatsOp = BufferStatsOp<SparseGradientBuffer>;
-
 template <typename Device, typename T, typename Tindex>
 class SparseBufferPushOp : public OpKernel {
  public:
@@ -507,10 +504,7 @@ class SparseBufferImportOp : public OpKernel {
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferCreate").Device(::tensorflow::DEVICE_CPU),
-                        SparseBufferCreateOp);
-REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferStats").Device(::tensorflow::DEVICE_CPU),
-                        SparseBufferStatsOp);
+TF_GBA_REGISTER_BUFFER_CREATE_AND_STATS(Sparse, SparseGradientBuffer);
 REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferExport").Device(::tensorflow::DEVICE_CPU),
                         SparseBufferExportOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferImport").Device(::tensorflow::DEVICE_CPU),
@@ -539,15 +533,6 @@ TF_CALL_double(REGISTER_PUSH);
 // rows (`values`, `aggregate_values`) are in GPU memory. The other ops only touch the bookkeeping;
 // they have GPU registrations so that a buffer created under tf.device("/GPU:0") lives in that
 // device's resource manager, next to its pushes.
-REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferCreate").Device(::tensorflow::DEVICE_GPU),
-                        SparseBufferCreateOp);
-REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferStats")
-                            .Device(::tensorflow::DEVICE_GPU)
-                            .HostMemory("global_step")
-                            .HostMemory("entries")
-                            .HostMemory("counters")
-                            .HostMemory("histogram"),
-                        SparseBufferStatsOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferExport")
                             .Device(::tensorflow::DEVICE_GPU)
                             .HostMemory("global_step")
