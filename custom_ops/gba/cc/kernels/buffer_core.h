@@ -200,6 +200,18 @@ inline void WriteBufferStats(::tensorflow::OpKernelContext* ctx, const BufferCor
   for (size_t i = 0; i < s.histogram.size(); ++i) h(i) = s.histogram[i];
 }
 
+// The (token, ticket) scalars every push op takes as its inputs 1 and 2.
+inline Status ReadTokenAndTicket(::tensorflow::OpKernelContext* ctx, int64_t* token,
+                                 int64_t* ticket) {
+  TF_RETURN_IF_ERROR(ReadScalarInt64(ctx, 1, "token", token));
+  TF_RETURN_IF_ERROR(ReadScalarInt64(ctx, 2, "ticket", ticket));
+  if (*token < 0) {
+    return ::tensorflow::errors::InvalidArgument(
+        "token must be >= 0 (tokens come from the GBA token generator), got ", *token, ".");
+  }
+  return ::tensorflow::OkStatus();
+}
+
 // The create op of a buffer type: the attributes every buffer has (BufferConfig, initial_step,
 // container/shared_name) plus the buffer's own, read by `Buffer::Params::FromAttrs` (which may
 // also set the buffer-specific fields of the config). The buffer is built as

@@ -404,11 +404,7 @@ class SparseBufferPushOp : public OpKernel {
     ::tensorflow::core::RefCountPtr<SparseGradientBuffer> buf;
     OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &buf));
     int64_t token, ticket;
-    OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 1, "token", &token));
-    OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 2, "ticket", &ticket));
-    OP_REQUIRES(ctx, token >= 0,
-                errors::InvalidArgument("token must be >= 0 (tokens come from the GBA token "
-                                        "generator), got ", token, "."));
+    OP_REQUIRES_OK(ctx, ReadTokenAndTicket(ctx, &token, &ticket));
     const Tensor& indices = ctx->input(3);
     const Tensor& values = ctx->input(4);
     OP_REQUIRES(ctx, DataTypeToEnum<T>::value == buf->dtype(),
