@@ -200,6 +200,18 @@ inline void WriteBufferStats(::tensorflow::OpKernelContext* ctx, const BufferCor
   for (size_t i = 0; i < s.histogram.size(); ++i) h(i) = s.histogram[i];
 }
 
+// The (token, ticket) scalars every push op takes as its inputs 1 and 2.
+inline Status ReadTokenAndTicket(::tensorflow::OpKernelContext* ctx, int64_t* token,
+                                 int64_t* ticket) {
+  TF_RETURN_IF_ERROR(ReadScalarInt64(ctx, 1, "token", token));
+  TF_RETURN_IF_ERROR(ReadScalarInt64(ctx, 2, "ticket", ticket));
+  if (*token < 0) {
+    return ::tensorflow::errors::InvalidArgument(
+        "token must be >= 0 (tokens come from the GBA token generator), got ", *token, ".");
+  }
+  return ::tensorflow::OkStatus();
+}
+
 // The create op of a buffer type: the attributes every buffer has (BufferConfig, initial_step,
 // container/shared_name) plus the buffer's own, read by `Buffer::Params::FromAttrs` (which may
 // also set the buffer-specific fields of the config). The buffer is built as
@@ -239,6 +251,32 @@ class BufferStatsOp : public ::tensorflow::OpKernel {
     buf->WriteStats(ctx);
   }
 };
+
+// Registers the create and stats kernels of a buffer type, `Kind` being Dense or Sparse, on the
+// CPU and, in CUDA builds, on the GPU: there they only touch the host-side bookkeeping (every
+// stats output in host memory), so that a buffer created under tf.device("/GPU:0") lives in that
+// device's resource manager, next to its pushes.
+#define TF_GBA_REGISTER_BUFFER_CREATE_AND_STATS_CPU(Kind, Buffer)                            \
+  REGISTER_KERNEL_BUILDER(Name("GBA>" #Kind "BufferCreate").Device(::tensorflow::DEVICE_CPU), \
+                          BufferCreateOp<Buffer>);                                           \
+  REGISTER_KERNEL_BUILDER(Name("GBA>" #Kind "BufferStats").Device(::tensorflow::DEVICE_CPU),  \
+                          BufferStatsOp<Buffer>)
+#if GOOGLE_CUDA
+#define TF_GBA_REGISTER_BUFFER_CREATE_AND_STATS(Kind, Buffer)                                \
+  TF_GBA_REGISTER_BUFFER_CREATE_AND_STATS_CPU(Kind, Buffer);                                 \
+  REGISTER_KERNEL_BUILDER(Name("GBA>" #Kind "BufferCreate").Device(::tensorflow::DEVICE_GPU), \
+                          BufferCreateOp<Buffer>);                                           \
+  REGISTER_KERNEL_BUILDER(Name("GBA>" #Kind "BufferStats")                                   \
+                              .Device(::tensorflow::DEVICE_GPU)                              \
+                              .HostMemory("global_step")                                     \
+                              .HostMemory("entries")                                         \
+                              .HostMemory("counters")                                        \
+                              .HostMemory("histogram"),                                      \
+                          BufferStatsOp<Buffer>)
+#else
+#define TF_GBA_REGISTER_BUFFER_CREATE_AND_STATS(Kind, Buffer) \
+  TF_GBA_REGISTER_BUFFER_CREATE_AND_STATS_CPU(Kind, Buffer)
+#endif  // GOOGLE_CUDA
 
 }  // namespace tf_gba
 

@@ -265,9 +265,6 @@ class DenseGradientBuffer : public ::tensorflow::ResourceBase {
   int64_t kept_ TF_GUARDED_BY(mu_) = 0;  // entries with a non-zero weight in the current batch
 };
 
-using DenseBufferCreateOp = BufferCreateOp<DenseGradientBuffer>;
-using DenseBufferStatsOp = BufferStatsOp<DenseGradientBuffer>;
-
 template <typename Device, typename T>
 class DenseBufferPushOp : public OpKernel {
   using Acc = Accumulator<T>;
@@ -279,11 +276,7 @@ class DenseBufferPushOp : public OpKernel {
     ::tensorflow::core::RefCountPtr<DenseGradientBuffer> buf;
     OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &buf));
     int64_t token, ticket;
-    OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 1, "token", &token));
-    OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 2, "ticket", &ticket));
-    OP_REQUIRES(ctx, token >= 0,
-                errors::InvalidArgument("token must be >= 0 (tokens come from the GBA token "
-                                        "generator), got ", token, "."));
+    OP_REQUIRES_OK(ctx, ReadTokenAndTicket(ctx, &token, &ticket));
     const Tensor& grad = ctx->input(3);
     OP_REQUIRES(ctx, DataTypeToEnum<T>::value == buf->dtype(),
                 errors::InvalidArgument("Gradient dtype ", DataTypeString(DataTypeToEnum<T>::value),
@@ -354,10 +347,7 @@ class DenseBufferSetStepOp : public OpKernel {
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("GBA>DenseBufferCreate").Device(::tensorflow::DEVICE_CPU),
-                        DenseBufferCreateOp);
-REGISTER_KERNEL_BUILDER(Name("GBA>DenseBufferStats").Device(::tensorflow::DEVICE_CPU),
-                        DenseBufferStatsOp);
+TF_GBA_REGISTER_BUFFER_CREATE_AND_STATS(Dense, DenseGradientBuffer);
 REGISTER_KERNEL_BUILDER(Name("GBA>DenseBufferSetStep").Device(::tensorflow::DEVICE_CPU),
                         DenseBufferSetStepOp);
 
@@ -377,15 +367,6 @@ TF_CALL_double(REGISTER_PUSH);
 // host, so every scalar input and output is in host memory. Create/Stats/SetStep only touch that
 // bookkeeping; they have GPU registrations so that a buffer created under tf.device("/GPU:0")
 // lives in that device's resource manager, next to its pushes.
-REGISTER_KERNEL_BUILDER(Name("GBA>DenseBufferCreate").Device(::tensorflow::DEVICE_GPU),
-                        DenseBufferCreateOp);
-REGISTER_KERNEL_BUILDER(Name("GBA>DenseBufferStats")
-                            .Device(::tensorflow::DEVICE_GPU)
-                            .HostMemory("global_step")
-                            .HostMemory("entries")
-                            .HostMemory("counters")
-                            .HostMemory("histogram"),
-                        DenseBufferStatsOp);
 REGISTER_KERNEL_BUILDER(
     Name("GBA>DenseBufferSetStep").Device(::tensorflow::DEVICE_GPU).HostMemory("global_step"),
     DenseBufferSetStepOp);

@@ -395,9 +395,6 @@ Status SparseGradientBuffer::Aggregate(OpKernelContext* ctx, const Acc* pool) {
   return ::tensorflow::OkStatus();
 }
 
-using SparseBufferCreateOp = BufferCreateOp<SparseGradientBuffer>;
-using SparseBufferStatsOp = BufferStatsOp<SparseGradientBuffer>;
-
 template <typename Device, typename T, typename Tindex>
 class SparseBufferPushOp : public OpKernel {
  public:
@@ -407,11 +404,7 @@ class SparseBufferPushOp : public OpKernel {
     ::tensorflow::core::RefCountPtr<SparseGradientBuffer> buf;
     OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &buf));
     int64_t token, ticket;
-    OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 1, "token", &token));
-    OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 2, "ticket", &ticket));
-    OP_REQUIRES(ctx, token >= 0,
-                errors::InvalidArgument("token must be >= 0 (tokens come from the GBA token "
-                                        "generator), got ", token, "."));
+    OP_REQUIRES_OK(ctx, ReadTokenAndTicket(ctx, &token, &ticket));
     const Tensor& indices = ctx->input(3);
     const Tensor& values = ctx->input(4);
     OP_REQUIRES(ctx, DataTypeToEnum<T>::value == buf->dtype(),
@@ -507,10 +500,7 @@ class SparseBufferImportOp : public OpKernel {
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferCreate").Device(::tensorflow::DEVICE_CPU),
-                        SparseBufferCreateOp);
-REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferStats").Device(::tensorflow::DEVICE_CPU),
-                        SparseBufferStatsOp);
+TF_GBA_REGISTER_BUFFER_CREATE_AND_STATS(Sparse, SparseGradientBuffer);
 REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferExport").Device(::tensorflow::DEVICE_CPU),
                         SparseBufferExportOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferImport").Device(::tensorflow::DEVICE_CPU),
@@ -539,15 +529,6 @@ TF_CALL_double(REGISTER_PUSH);
 // rows (`values`, `aggregate_values`) are in GPU memory. The other ops only touch the bookkeeping;
 // they have GPU registrations so that a buffer created under tf.device("/GPU:0") lives in that
 // device's resource manager, next to its pushes.
-REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferCreate").Device(::tensorflow::DEVICE_GPU),
-                        SparseBufferCreateOp);
-REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferStats")
-                            .Device(::tensorflow::DEVICE_GPU)
-                            .HostMemory("global_step")
-                            .HostMemory("entries")
-                            .HostMemory("counters")
-                            .HostMemory("histogram"),
-                        SparseBufferStatsOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>SparseBufferExport")
                             .Device(::tensorflow::DEVICE_GPU)
                             .HostMemory("global_step")
