@@ -56,10 +56,16 @@ def make_strategy(config: TrainConfig, resolver) -> GBAStrategy:
 def _cluster(config: TrainConfig):
   """The local multi-process cluster, or the one TF_CONFIG describes (this task: the chief)."""
   if os.environ.get("TF_CONFIG"):
+    if config.uses_data_list and not config.tfdata_dispatcher:
+      raise ValueError("--input=shared on a real cluster needs --tfdata_dispatcher=HOST:PORT, a "
+                       "dispatcher started with `python -m tf_gba.distribute.server "
+                       "--job_name=tfdata_dispatcher` (see the README), or --input=sharded.")
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     yield resolver, None
     return
-  with LocalCluster(num_ps=config.num_ps, num_workers=config.num_workers) as cluster:
+  with LocalCluster(num_ps=config.num_ps, num_workers=config.num_workers,
+                    num_tfdata_workers=config.tfdata_workers if config.uses_data_list else 0
+                    ) as cluster:
     yield cluster.resolver(), cluster
 
 
@@ -84,7 +90,7 @@ class _Progress(keras.callbacks.Callback):
     workers = job.strategy.worker_step_stats()
     if self.warm is None:
       self.warm = (time.time(), steps, workers)
-    _log(f"step {steps}/{job.config.steps}  global step {stats['global_step']}  "
+    _log(f"step {steps}/{job.total_steps}  global step {stats['global_step']}  "
          f"loss {loss:.4f}  QPS {qps:,.0f}  staleness mean {dense.get('mean_staleness', 0):.2f} "
          f"max {dense.get('staleness_max', 0)}  dropped batches {dense.get('dropped', 0)}")
     with job.writer.as_default(step=steps):
@@ -161,6 +167,11 @@ class _Job:
     self.writer = tf.summary.create_file_writer(os.path.join(config.model_dir, "tensorboard"))
     self._eval_model = None
     self._eval_data = None
+    self.shared_input = None  # the shared data list (--input=shared), set up by run()
+
+  @property
+  def total_steps(self):
+    return self.shared_input.total_steps if self.shared_input else self.config.steps
 
   def dataset_fn(self, ctx: Optional[tf.distribute.InputContext]):
     """Worker i of N reads shard i of N of the training rows, as in synchronous training.
@@ -203,6 +214,10 @@ class _Job:
             "examples": int(len(labels))}
 
 
+def _dispatcher_address(config: TrainConfig, cluster) -> str:
+  return cluster.tfdata_dispatcher if cluster is not None else config.tfdata_dispatcher
+
+
 def run(config: TrainConfig) -> dict:
   """Trains as `config` says and returns the summary."""
   config.validate()
@@ -215,22 +230,36 @@ def run(config: TrainConfig) -> dict:
   if config.mode == "sync":
     from tf_gba.training import sync_job  # pylint: disable=g-import-not-at-top
     return sync_job.run_sync(config)
-  with _cluster(config) as (resolver, _):
+  with _cluster(config) as (resolver, cluster):
     strategy = make_strategy(config, resolver)
     job = _Job(config, strategy)
+    shared = None
+    if config.uses_data_list:
+      from tf_gba.training import shared_input  # pylint: disable=g-import-not-at-top
+      shared = shared_input.SharedInput(config, strategy, _dispatcher_address(config, cluster),
+                                        job.data_kwargs)
+      shared.install_train_function(job.model)
+      job.shared_input = shared
     start_step = int(job.optimizer.iterations.numpy())
     _log(f"tf_gba: mode={config.mode} model={config.model} data={config.data} "
          f"ps={strategy.num_ps} workers={strategy.num_workers} M={config.num_aggregate} "
          f"local batch={config.local_batch_size} global batch={config.global_batch} "
-         f"stragglers={config.stragglers}"
+         f"stragglers={config.stragglers} input={config.input}"
+         + (f" ({shared.num_batches} batches in the list, "
+            + ("one pass)" if shared.day_mode else f"{shared.list.passes} pass(es))")
+            if shared else "")
          + (f" restored from {job.restored_from} (global step {start_step})"
             if job.restored_from else ""))
-    epochs = math.ceil(config.steps / config.log_every)
+    epochs = math.ceil(job.total_steps / config.log_every)
     progress = _Progress(job)
     t0 = time.time()
-    history = job.model.fit(keras.utils.experimental.DatasetCreator(job.dataset_fn),
-                            epochs=epochs, steps_per_epoch=config.log_every, verbose=0,
-                            callbacks=[progress])
+    if shared is None:
+      history = job.model.fit(keras.utils.experimental.DatasetCreator(job.dataset_fn),
+                              epochs=epochs, steps_per_epoch=config.log_every, verbose=0,
+                              callbacks=[progress])
+    else:
+      history = _fit_shared(job, shared, epochs, progress)
+      epochs = max(1, len(history.history.get("loss", [])))
     t1 = time.time()
     worker_stats = strategy.worker_step_stats()
     # Throughput over the steady state: the first interval pays for tracing and start-up.
@@ -247,8 +276,14 @@ def run(config: TrainConfig) -> dict:
     stats["hop_bs"] = strategy.hop_bs_stats()
     evaluation = job.evaluate()
     saved = job.manager.save()
+    if shared is not None:
+      # Only steps that trained a batch run the strategy's step and count on their worker;
+      # the no-op reads at the end of the list do not.
+      steps_measured = sum(w["measured_steps"] for w in worker_stats)
     summary = _summary(config, strategy, history, stats, worker_stats, evaluation, wall,
                        steps_measured, t1 - t0, start_step, saved)
+    if shared is not None:
+      _add_data_list(summary, shared.report(), config)
     with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
     with job.writer.as_default(step=epochs * config.log_every):
@@ -257,6 +292,42 @@ def run(config: TrainConfig) -> dict:
     job.writer.flush()
     print_summary(summary)
     return summary
+
+
+def _fit_shared(job: _Job, shared, epochs: int, progress: _Progress):
+  """model.fit on the shared data list: ends at the end of the list, or at a stall."""
+  shared.watch()
+  try:
+    history = job.model.fit(keras.utils.experimental.DatasetCreator(shared.dataset_fn),
+                            epochs=epochs, steps_per_epoch=job.config.log_every, verbose=0,
+                            callbacks=[progress, shared.callback()])
+  except Exception as e:  # pylint: disable=broad-except
+    if shared.stalled is None:
+      raise
+    _log(f"tf_gba: the day ended early: {shared.stalled} ({type(e).__name__})")
+    history = job.model.history
+  finally:
+    shared.stop_watching()
+  if shared.day_mode and shared.stalled is None:
+    flushed = shared.flush_partial_step(job.model, job.optimizer)
+    if flushed:
+      _log(f"tf_gba: end of the day: the last global step completed with {flushed} zero "
+           "gradient(s) (what was buffered, divided by M)")
+  return history
+
+
+def _add_data_list(summary: dict, report: dict, config: TrainConfig) -> None:
+  """The shared list's counts in the summary; in day mode steps and examples are what trained."""
+  summary["input"] = "shared"
+  summary["data_list"] = report
+  for w in summary["per_worker"]:
+    w["batches"] = report["per_worker_batches"][w["worker"]]
+    w["examples"] = report["per_worker_examples"][w["worker"]]
+  if report["day_mode"]:
+    summary["steps"] = report["batches"]
+    summary["examples"] = report["examples"]
+  summary["duplicates"] = report["duplicates"]
+  summary["missed"] = report["missed"]
 
 
 def _run_dts(config: TrainConfig) -> dict:
@@ -379,6 +450,13 @@ def print_summary(s: dict) -> None:
                      for w in s["per_worker"])] if s.get("max_lead") is not None else []),
       *([f"  hop_bw                {s['ignored_gradients']} gradients of an older version "
          "ignored"] if s["mode"] == "hop_bw" else []),
+      *([f"  data list             {s['data_list']['batches']} batches "
+         f"({s['data_list']['examples']:,} examples) of {s['data_list']['listed_batches']} "
+         f"listed; per worker "
+         + "  ".join(f"w{i}={b}" for i, b in enumerate(s['data_list']['per_worker_batches']))
+         + f"; duplicates {s['data_list']['duplicates']}  missed {s['data_list']['missed']}"
+         + (f"  STALLED: {s['data_list']['stalled']}" if s['data_list']['stalled'] else "")]
+        if s.get("data_list") else []),
       f"  eval AUC              {s['eval_auc']:.4f}",
       f"  eval logloss          {s['eval_logloss']:.4f}",
       f"  checkpoint            {s['checkpoint']}",
