@@ -103,12 +103,17 @@ class DataList:
     return tf.data.Dataset.range(len(self.batch_order)).map(lambda i: tf.gather(order, i))
 
   def dataset(self, service: str, job_name: str,
-              max_outstanding_requests: Optional[int] = None) -> tf.data.Dataset:
+              max_outstanding_requests: Optional[int] = 1) -> tf.data.Dataset:
     """`(features, label, batch_id)` batches, each taken from the shared list when asked for.
 
     Every reader of the same `job_name` shares one queue: together they read each listed batch
     once. Call it in a ParameterServerStrategy `dataset_fn`; each worker then pulls batches as
     fast as it consumes them.
+
+    `max_outstanding_requests`: batches a worker's service client may have asked for ahead of
+    its step. The default 1 keeps the next batch in flight (its fetch overlaps the step) and no
+    more: a client left to prefetch takes batches at its fetch rate, not its training rate, and
+    a slow worker would hold batches that faster workers could have trained on.
     """
     ids = self.source().apply(tf.data.experimental.service.distribute(
         processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC,

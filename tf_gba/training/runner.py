@@ -258,7 +258,7 @@ def run(config: TrainConfig) -> dict:
                               epochs=epochs, steps_per_epoch=config.log_every, verbose=0,
                               callbacks=[progress])
     else:
-      history = _fit_shared(job, shared, epochs, progress)
+      history = fit_shared(job.model, job.optimizer, shared, epochs, [progress])
       epochs = max(1, len(history.history.get("loss", [])))
     t1 = time.time()
     worker_stats = strategy.worker_step_stats()
@@ -294,22 +294,23 @@ def run(config: TrainConfig) -> dict:
     return summary
 
 
-def _fit_shared(job: _Job, shared, epochs: int, progress: _Progress):
-  """model.fit on the shared data list: ends at the end of the list, or at a stall."""
+def fit_shared(model, optimizer, shared, epochs: int, callbacks=()):
+  """model.fit on the shared data list (`shared_input.SharedInput`): ends at the end of the
+  list (then completes a partial GBA step), after `epochs` logging intervals, or at a stall."""
   shared.watch()
   try:
-    history = job.model.fit(keras.utils.experimental.DatasetCreator(shared.dataset_fn),
-                            epochs=epochs, steps_per_epoch=job.config.log_every, verbose=0,
-                            callbacks=[progress, shared.callback()])
+    history = model.fit(keras.utils.experimental.DatasetCreator(shared.dataset_fn),
+                        epochs=epochs, steps_per_epoch=shared.config.log_every, verbose=0,
+                        callbacks=[*callbacks, shared.callback()])
   except Exception as e:  # pylint: disable=broad-except
     if shared.stalled is None:
       raise
     _log(f"tf_gba: the day ended early: {shared.stalled} ({type(e).__name__})")
-    history = job.model.history
+    history = model.history
   finally:
     shared.stop_watching()
   if shared.day_mode and shared.stalled is None:
-    flushed = shared.flush_partial_step(job.model, job.optimizer)
+    flushed = shared.flush_partial_step(model, optimizer)
     if flushed:
       _log(f"tf_gba: end of the day: the last global step completed with {flushed} zero "
            "gradient(s) (what was buffered, divided by M)")

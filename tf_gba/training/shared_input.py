@@ -46,16 +46,18 @@ class SharedInput:
     strategy: its GBAStrategy.
     dispatcher: host:port of the tf.data service dispatcher.
     data_kwargs: options of the data source.
+    rows: the day's rows as `(features, labels)` instead of reading `config.data`.
   """
 
-  def __init__(self, config, strategy, dispatcher: str, data_kwargs: dict):
+  def __init__(self, config, strategy, dispatcher: str, data_kwargs: dict, rows=None):
     self.config = config
     self.strategy = strategy
     self.dispatcher = dispatcher
-    features, labels = data_list_lib.load_rows(config.data, config.day,
-                                               strict=config.strict_data, **data_kwargs)
-    rows = len(labels)
-    nb = math.ceil(rows / config.local_batch_size)
+    if rows is None:
+      rows = data_list_lib.load_rows(config.data, config.day, strict=config.strict_data,
+                                     **data_kwargs)
+    features, labels = rows
+    nb = math.ceil(len(labels) / config.local_batch_size)
     # A run of a fixed number of steps lists the day as often as those steps need.
     self.day_mode = config.steps is None
     passes = 1 if self.day_mode else max(1, math.ceil(config.steps / nb))
