@@ -250,7 +250,7 @@ def run(config: TrainConfig) -> dict:
             if shared else "")
          + (f" restored from {job.restored_from} (global step {start_step})"
             if job.restored_from else ""))
-    epochs = math.ceil(job.total_steps / config.log_every)
+    epochs = math.ceil((shared.max_steps if shared else config.steps) / config.log_every)
     progress = _Progress(job)
     t0 = time.time()
     if shared is None:

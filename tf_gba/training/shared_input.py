@@ -80,12 +80,15 @@ class SharedInput:
 
   @property
   def total_steps(self) -> int:
-    """Steps scheduled at most: the fixed count, or one per listed batch plus drain steps."""
-    if not self.day_mode:
-      return self.config.steps
-    # The drain after the last batch takes a few rounds of one step per worker; the callback
-    # stops fit as soon as every worker has seen the end.
-    return self.num_batches + 100 * self.strategy.num_workers + self.config.log_every
+    """Steps the run expects to train: the fixed count, or one per batch of the day."""
+    return self.num_batches if self.day_mode else self.config.steps
+
+  @property
+  def max_steps(self) -> int:
+    """Steps fit may schedule: the fixed count; in day mode no bound of its own, since the
+    callback stops fit once every worker has seen the end of the list (after the slowest one has
+    trained the batches its client already holds) and the watchdog stops a stalled day."""
+    return self.config.steps if not self.day_mode else 2**40
 
   def dataset_fn(self, ctx=None):
     del ctx  # every worker reads the same job: the service, not the input context, splits
