@@ -115,10 +115,17 @@ class DataList:
     more: a client left to prefetch takes batches at its fetch rate, not its training rate, and
     a slow worker would hold batches that faster workers could have trained on.
     """
+    # TF caches the reader's decompression function per process (one trace for every dataset);
+    # a process that starts a second cluster (tests, benchmarks) would send the new workers a
+    # graph calling a function they were never given. A fresh trace per dataset avoids that.
+    from tensorflow.python.data.experimental.ops import data_service_ops  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
+    getattr(data_service_ops, "_get_uncompress_func", None) and (
+        data_service_ops._get_uncompress_func.cache_clear())  # pylint: disable=protected-access
     ids = self.source().apply(tf.data.experimental.service.distribute(
         processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC,
         service=service if "://" in service else f"grpc://{service}", job_name=job_name,
-        max_outstanding_requests=max_outstanding_requests))
+        max_outstanding_requests=max_outstanding_requests,
+        compression=None))  # 8-byte ids
     columns = {name: tf.constant(np.asarray(col)) for name, col in self._features.items()}
     label = tf.constant(self._labels)
     row_order = tf.constant(self.row_order)
