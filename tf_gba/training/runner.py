@@ -86,8 +86,11 @@ class _Progress(keras.callbacks.Callback):
     stats = _optimizer_stats(job.optimizer)
     dense = stats["dense"] or {}
     loss = (logs or {}).get("loss", float("nan"))
-    qps = steps * job.config.local_batch_size / max(elapsed, 1e-9)
     workers = job.strategy.worker_step_stats()
+    if job.shared_input is not None:
+      # Steps that trained a batch (the no-op reads at the end of the list are not steps).
+      steps = sum(w["steps"] for w in workers)
+    qps = steps * job.config.local_batch_size / max(elapsed, 1e-9)
     if self.warm is None:
       self.warm = (time.time(), steps, workers)
     _log(f"step {steps}/{job.total_steps}  global step {stats['global_step']}  "
