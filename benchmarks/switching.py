@@ -514,7 +514,10 @@ def markdown(results: dict) -> str:
       f"{a['staleness_threshold']}, stragglers `{results['stragglers']}`, input "
       f"`{a.get('input', 'sharded')}`, "
       f"{p['steps_per_day']} worker steps per day ({p['steps_per_day'] * a['local_batch_size']:,}"
-      f" examples; a day has {p['train_rows']:,} train rows). Seeds {results['seeds']}: mean ± "
+      f" examples; a day has {p['train_rows']:,} train rows"
+      + ("; the parameter-server modes train one pass over the day through the shared data list"
+         if a.get("input") == "shared" and not a.get("steps_per_day") else "")
+      + f"). Seeds {results['seeds']}: mean ± "
       "sample std over seeds; differences paired per seed. Wall time "
       f"{results['wall_seconds'] / 60:.1f} min" + (
           f" ({resumed} runs reused from an earlier invocation, --resume)." if resumed else "."),
