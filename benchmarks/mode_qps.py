@@ -3,14 +3,15 @@
   python -m benchmarks.mode_qps [--modes=sync,gba,async,bsp,hop_bs,hop_bw]
                                 [--stragglers=transient,dedicated] [--steps=1500] [--repeats=1]
                                 [--num_workers=4] [--local_batch_size=256]
-                                [--out=runs/bench_mode_qps]
+                                [--inputs=shared] [--out=runs/bench_mode_qps]
 
 Each configuration is a fresh run of examples/train.py (DeepFM, synthetic data, 4 workers on
 127.0.0.1; 1 PS in the parameter-server modes) in its own process; configurations are
 interleaved (all modes of one repeat before the next repeat) so slow drifts of the machine hit
 every mode alike. "async_plain" is ParameterServerStrategy's own async training with the bare
 optimizer; "async" pushes through GBA buffers with M=1 to measure staleness. QPS is measured
-after the first log interval (start-up). The ratios are to sync and async of the same profile
+after the first log interval (start-up). `--inputs=shared,sharded` runs every parameter-server
+mode with both inputs (the shared data list, static shards) side by side. The ratios are to sync and async of the same profile
 (the paper's Table 5.2 shape: GBA about as fast as async, >= 2.4x sync under stragglers).
 
 With a compute floor in the profile (`compute:<ms>`), the table also gives the parameter-server
@@ -67,8 +68,8 @@ def ps_limit_qps(profile: str, num_workers: int, local_batch_size: int) -> Optio
 
 
 def run_one(mode: str, profile: str, steps: int, model_dir: str, extra, num_workers: int = 4,
-            local_batch_size: int = 256) -> dict:
-  flags = [f"--mode={'async' if mode.startswith('async') else mode}",
+            local_batch_size: int = 256, input_mode: str = "shared") -> dict:
+  flags = [f"--input={input_mode}", f"--mode={'async' if mode.startswith('async') else mode}",
            f"--stragglers={PROFILES.get(profile, profile)}", f"--steps={steps}",
            "--log_every=250", f"--model_dir={model_dir}", "--num_ps=1",
            f"--num_workers={num_workers}", f"--local_batch_size={local_batch_size}",
@@ -92,18 +93,25 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=1)
   p.add_argument("--num_workers", type=int, default=4)
   p.add_argument("--local_batch_size", type=int, default=256)
+  p.add_argument("--inputs", default="shared",
+                 help="comma-separated inputs of the parameter-server modes: shared, sharded")
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_mode_qps"))
   args, extra = p.parse_known_args(argv)
-  modes = args.modes.split(",")
+  inputs = args.inputs.split(",")
+  # A mode per input ("gba/sharded") when several inputs are compared; sync has its own input.
+  modes = [m if len(inputs) == 1 or m == "sync" else f"{m}/{i}"
+           for m in args.modes.split(",") for i in (inputs if m != "sync" else inputs[:1])]
   profiles = args.stragglers.split(",")
   results = {(m, s): [] for s in profiles for m in modes}
   for rep in range(args.repeats):
     for profile in profiles:
       for mode in modes:
-        model_dir = os.path.join(args.out, f"{mode}_{profile.replace(':', '_')}_{rep}")
+        name, _, input_mode = mode.partition("/")
+        model_dir = os.path.join(args.out, f"{mode.replace('/', '_')}_"
+                                 f"{profile.replace(':', '_')}_{rep}")
         subprocess.run(["rm", "-rf", model_dir], check=True)
-        summary = run_one(mode, profile, args.steps, model_dir, extra, args.num_workers,
-                          args.local_batch_size)
+        summary = run_one(name, profile, args.steps, model_dir, extra, args.num_workers,
+                          args.local_batch_size, input_mode or inputs[0])
         results[(mode, profile)].append(summary)
         print(f"  {mode:12s} {profile:10s} rep {rep}: QPS {summary['global_qps']:,.0f}  "
               f"AUC {summary['eval_auc']:.4f}  staleness {summary['mean_staleness']:.2f}",
@@ -122,8 +130,9 @@ def main(argv=None):
     return statistics.mean(s["global_qps"] for s in runs) if runs else None
 
   for profile in profiles:
-    sync, async_ = mean_qps("sync", profile), mean_qps("async", profile)
-    gba = mean_qps("gba", profile)
+    sync = mean_qps("sync", profile)
+    async_ = mean_qps("async", profile) or mean_qps(f"async/{inputs[0]}", profile)
+    gba = mean_qps("gba", profile) or mean_qps(f"gba/{inputs[0]}", profile)
     limit = ps_limit_qps(profile, args.num_workers, args.local_batch_size)
     for mode in modes:
       runs = results[(mode, profile)]

@@ -3,7 +3,7 @@
   python -m benchmarks.switching [--data=synthetic] [--days=4] [--seeds=2]
                                  [--modes=sync,gba,async,bsp,hop_bs,hop_bw]
                                  [--stragglers=transient] [--base_days=1] [--steps_per_day=auto]
-                                 [--out=runs/bench_switching]
+                                 [--input=shared] [--out=runs/bench_switching]
   python -m benchmarks.switching --data=movielens100k:/path/to/ml-100k --days=4 --seeds=2
   python -m benchmarks.switching --data=criteo:/path/to/criteo_sample --days=4   # pseudo-days
   python -m benchmarks.switching --sweep --num_workers=8 --stragglers=dedicated
@@ -26,6 +26,10 @@ Protocol (SPEC section 1, "Switching" and "What the paper measures"):
   iota, straggler profile. Every run of a day trains the same number of worker steps, i.e.
   processes the same number of examples (`steps` counts local batches in every mode; a sync
   global step is one local batch on each worker); by default one pass over the day's train rows.
+* `--input`: the parameter-server modes' input, `shared` (one data list that every worker
+  pulls its next batch from; with the automatic day length each run is exactly one pass over the
+  day, every batch trained once) or `sharded` (each worker repeats a static shard, for
+  `steps_per_day` worker steps).
 * Seeds vary the model initialisation, the input order and the straggler draws; the data stays
   the same. Tables give mean +- sample std over seeds; differences are paired per seed.
 
@@ -248,7 +252,10 @@ def run_config(args: argparse.Namespace, protocol: Protocol, mode: str, seed: in
     steps = INTERVALS * math.ceil(steps * args.local_batch_size / (local_batch * INTERVALS))
   # Logging intervals: worker steps in the parameter-server modes, global steps in sync.
   log_every = steps // INTERVALS // (num_workers if mode == "sync" else 1)
+  if mode != "sync" and args.input == "shared" and not args.steps_per_day:
+    steps = None  # one pass over the day through the shared data list, however long it takes
   return dict(
+      input=args.input,
       mode=mode, model=args.model, data=args.data, data_options=protocol.data_options,
       num_ps=1, num_workers=num_workers, local_batch_size=local_batch,
       learning_rate=args.learning_rate, staleness_threshold=args.staleness_threshold,
@@ -589,9 +596,13 @@ def markdown(results: dict) -> str:
       f"evaluated on {eval_what} ({p['eval_examples']:,} examples at most).",
       f"Every run: {a['model']}, 1 PS (parameter-server modes), {a['num_workers']} workers, local "
       f"batch {a['local_batch_size']}, Adam lr {a['learning_rate']:g}, iota "
-      f"{a['staleness_threshold']}, stragglers `{results['stragglers']}`, "
+      f"{a['staleness_threshold']}, stragglers `{results['stragglers']}`, input "
+      f"`{a.get('input', 'sharded')}`, "
       f"{p['steps_per_day']} worker steps per day ({p['steps_per_day'] * a['local_batch_size']:,}"
-      f" examples; a day has {p['train_rows']:,} train rows). Seeds {results['seeds']}: mean ± "
+      f" examples; a day has {p['train_rows']:,} train rows"
+      + ("; the parameter-server modes train one pass over the day through the shared data list"
+         if a.get("input") == "shared" and not a.get("steps_per_day") else "")
+      + f"). Seeds {results['seeds']}: mean ± "
       "sample std over seeds; differences paired per seed. Wall time "
       f"{results['wall_seconds'] / 60:.1f} min" + (
           f" ({resumed} runs reused from an earlier invocation, --resume)." if resumed else "."),
@@ -734,6 +745,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--steps_per_day", type=int, default=0,
                  help="worker steps per run (0: one pass over a day's train rows); rounded up "
                       f"to a multiple of {INTERVALS} x num_workers")
+  p.add_argument("--input", default="shared", choices=["shared", "sharded"],
+                 help="parameter-server modes' input: the shared data list or static shards")
   p.add_argument("--model", default="deepfm")
   p.add_argument("--num_workers", type=int, default=4)
   p.add_argument("--local_batch_size", type=int, default=256)

@@ -59,7 +59,9 @@ def define_flags() -> None:
                       "none | persistent:<f>[@w,..] | transient:<p>:<f> | trace:<file.json>, "
                       "joined by '+'.")
   flags.DEFINE_integer("straggler_seed", 0, "Seed of transient slowdowns.")
-  flags.DEFINE_integer("steps", 2000, "Worker steps (local batches) to train, over all workers.")
+  flags.DEFINE_integer("steps", None, "Worker steps (local batches) to train, over all workers. "
+                       "Unset: one pass over the day's train rows with --input=shared (the run "
+                       "ends when the day is consumed), 2000 otherwise.")
   flags.DEFINE_string("model_dir", "/tmp/tf_gba_train",
                       "Checkpoints, summary.json and TensorBoard logs; restored from if present.")
   flags.DEFINE_integer("eval_every", 0, "Evaluate every N worker steps (0: at the end only).")
@@ -98,6 +100,18 @@ def define_flags() -> None:
   flags.DEFINE_bool("async_staleness_stats", True,
                     "In async mode, push through GBA buffers with M=1 to measure staleness; "
                     "false: the bare optimizer (plain ParameterServerStrategy async).")
+  flags.DEFINE_enum("input", "shared", ["shared", "sharded"],
+                    "Parameter-server modes: 'shared', every worker pulls its next batch from one "
+                    "data list (tf.data service, dynamic sharding: each batch of a day read "
+                    "once, a slow worker takes fewer); 'sharded', each worker repeats a static "
+                    "shard of the rows.")
+  flags.DEFINE_integer("tfdata_workers", 2, "--input=shared: tf.data service workers the local "
+                       "cluster starts.")
+  flags.DEFINE_string("tfdata_dispatcher", "", "--input=shared on a real cluster (TF_CONFIG): "
+                      "host:port of the tf.data dispatcher (python -m tf_gba.distribute.server "
+                      "--job_name=tfdata_dispatcher --port=PORT).")
+  flags.DEFINE_float("stall_timeout_s", 120.0, "--input=shared: a day whose steps make no "
+                     "progress this long ends, reporting the batches not trained on.")
   flags.DEFINE_string("data_options", "",
                       "Options of the data source as key=value,... e.g. num_examples=500000,"
                       "num_days=3,drift=0.2 (synthetic), vocab_size=100000 (criteo), num_days=7 "
@@ -130,7 +144,7 @@ def _task_type() -> str:
 
 def main(argv=None):
   del argv
-  if _task_type() in ("ps", "worker"):
+  if _task_type() in ("ps", "worker"):  # tf.data servers: python -m tf_gba.distribute.server
     from tf_gba.distribute import server  # pylint: disable=g-import-not-at-top
     return server.main([])
   import tf_gba  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
@@ -155,7 +169,9 @@ def main(argv=None):
       async_tuned_local_batch_size=FLAGS.async_tuned_local_batch_size,
       log_dir=_LOGS.get("dir"), keep_logs=FLAGS.keep_logs,
       checkpoint_every_steps=FLAGS.checkpoint_every_steps,
-      checkpoint_every_secs=FLAGS.checkpoint_every_secs, keep_checkpoints=FLAGS.keep_checkpoints)
+      checkpoint_every_secs=FLAGS.checkpoint_every_secs, keep_checkpoints=FLAGS.keep_checkpoints,
+      input=FLAGS.input, tfdata_workers=FLAGS.tfdata_workers,
+      tfdata_dispatcher=FLAGS.tfdata_dispatcher, stall_timeout_s=FLAGS.stall_timeout_s)
   return run(config)
 
 

@@ -19,6 +19,7 @@ WORKERS, BATCH, BATCHES_PER_WORKER = 2, 32, 6
 
 def test_each_ps_worker_reads_its_own_shard(tmp_path):
   cfg = TrainConfig(mode="gba", data="synthetic", data_options="num_examples=512", num_ps=1,
+                    input="sharded",
                     num_workers=WORKERS, local_batch_size=BATCH, model_dir=str(tmp_path))
   with runner._cluster(cfg) as (resolver, _):  # pylint: disable=protected-access
     strategy = runner.make_strategy(cfg, resolver)

@@ -51,12 +51,17 @@ class LocalCluster:
     keep_logs: keep the temporary log directory.
     restart_workers: start a worker again, at its address, when its process dies: the
       coordinator (ParameterServerStrategy) then runs the dead worker's closures there again.
+    num_tfdata_workers: tf.data service workers for the shared data list
+      (`tf_gba.data.data_list`), each a process of its own; with any, a dispatcher runs in this
+      process and `tfdata_dispatcher` is its address. Own processes rather than threads of this
+      process or of the training workers: a tf.data worker can then fail (or be killed) alone.
   """
 
   def __init__(self, num_ps: int = 1, num_workers: int = 2, host: str = "127.0.0.1",
                start_timeout: float = 120.0, env: Optional[Dict[str, str]] = None,
                inter_op_threads: int = 0, log_dir: Optional[str] = None,
-               keep_logs: bool = False, restart_workers: bool = False):
+               keep_logs: bool = False, restart_workers: bool = False,
+               num_tfdata_workers: int = 0):
     if num_ps < 1:
       raise ValueError(f"num_ps must be >= 1, got {num_ps}.")
     if num_workers < 1:
@@ -65,13 +70,21 @@ class LocalCluster:
     self._start_timeout = start_timeout
     self._env = dict(env or {})
     self._inter_op = inter_op_threads or num_workers + 2
+    if num_tfdata_workers < 0:
+      raise ValueError(f"num_tfdata_workers must be >= 0, got {num_tfdata_workers}.")
+    self.num_tfdata_workers = num_tfdata_workers
+    self._dispatcher = None
+    self.tfdata_dispatcher: Optional[str] = None
     self._procs: Dict[str, subprocess.Popen] = {}
     self._logs: Dict[str, str] = {}
     if log_dir:
       os.makedirs(log_dir, exist_ok=True)
     self._logdir = log_dir or tempfile.mkdtemp(prefix="tf_gba_cluster_")
     self._delete_logs = not (log_dir or keep_logs)
-    ports = free_ports(num_ps + num_workers + 1, host)
+    ports = free_ports(num_ps + num_workers + 1 + (num_tfdata_workers + 1 if num_tfdata_workers
+                                                   else 0), host)
+    self._tfdata_ports = ports[num_ps + num_workers + 1:]
+    ports = ports[:num_ps + num_workers + 1]
     addr = [f"{host}:{p}" for p in ports]
     self.cluster_spec = {
         "chief": [addr[0]],
@@ -94,6 +107,12 @@ class LocalCluster:
       for job in ("ps", "worker"):
         for i in range(len(self.cluster_spec[job])):
           self._spawn(job, i)
+      if self.num_tfdata_workers:
+        from tf_gba.data import data_list  # pylint: disable=g-import-not-at-top
+        self._dispatcher = data_list.start_dispatcher(self._tfdata_ports[0])
+        self.tfdata_dispatcher = f"{self.host}:{self._tfdata_ports[0]}"
+        for i in range(self.num_tfdata_workers):
+          self._spawn("tfdata_worker", i)
       self._wait_ready()
       if self._restart_workers:
         threading.Thread(target=self._monitor, daemon=True, name="LocalCluster-monitor").start()
@@ -111,10 +130,15 @@ class LocalCluster:
     env.pop("TF_CONFIG", None)
     log = os.path.join(self._logdir, f"{job}_{index}.log")
     self._logs[name] = log
-    cmd = [sys.executable, "-m", "tf_gba.distribute.server",
-           "--cluster_spec", json.dumps(self.cluster_spec), "--job_name", job,
-           "--task_index", str(index), "--inter_op_threads", str(self._inter_op),
-           "--exit_with_parent"]
+    if job == "tfdata_worker":
+      cmd = [sys.executable, "-m", "tf_gba.distribute.server", "--job_name", job,
+             "--dispatcher_address", self.tfdata_dispatcher, "--host", self.host,
+             "--port", str(self._tfdata_ports[1 + index]), "--exit_with_parent"]
+    else:
+      cmd = [sys.executable, "-m", "tf_gba.distribute.server",
+             "--cluster_spec", json.dumps(self.cluster_spec), "--job_name", job,
+             "--task_index", str(index), "--inter_op_threads", str(self._inter_op),
+             "--exit_with_parent"]
     # Appended to: a restarted server's log follows the one of the process it replaces.
     with open(log, "ab") as f:
       # A session of its own, so Ctrl-C in a terminal reaches only us; we stop the servers.
@@ -173,6 +197,8 @@ class LocalCluster:
         except ProcessLookupError:
           pass
         proc.wait()
+    # The dispatcher (in this process) has no stop; it goes with the process, and with no
+    # workers left it serves nothing.
     if self._delete_logs and not keep_logs:
       shutil.rmtree(self._logdir, ignore_errors=True)
       self._delete_logs = False
@@ -182,7 +208,7 @@ class LocalCluster:
     return self._logdir
 
   def kill(self, job: str, index: int) -> None:
-    """Kills one server abruptly (failure tests)."""
+    """Kills one server abruptly (failure tests); job "tfdata_worker" for a tf.data worker."""
     proc = self._procs[f"{job}:{index}"]
     if proc.poll() is None:
       try:

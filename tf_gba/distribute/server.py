@@ -7,6 +7,12 @@ so PS and workers are started through this module rather than a bare `tf.distrib
   python -m tf_gba.distribute.server --cluster_spec='{"ps": [...], ...}' --job_name=ps \
       --task_index=0
 
+It also runs the tf.data service servers of the shared data list (`tf_gba.data.data_list`):
+
+  python -m tf_gba.distribute.server --job_name=tfdata_dispatcher --port=5050
+  python -m tf_gba.distribute.server --job_name=tfdata_worker --port=5051 \
+      --dispatcher_address=HOST:5050 --host=THIS_HOST
+
 The process prints "TF_GBA_SERVER_READY <job>:<task>" once serving, and exits on its own when the
 parent process that launched it (a LocalCluster) goes away, so no server outlives its job.
 """
@@ -35,13 +41,41 @@ def parse_args(argv):
   p.add_argument("--task_index", type=int, default=None)
   p.add_argument("--inter_op_threads", type=int, default=0,
                  help="inter-op threads; blocking ops (Hop-BS barrier) need more than workers.")
+  p.add_argument("--port", type=int, default=0,
+                 help="tfdata_dispatcher / tfdata_worker: the port to serve on.")
+  p.add_argument("--dispatcher_address", default=None,
+                 help="tfdata_worker: host:port of the tf.data dispatcher.")
+  p.add_argument("--host", default="127.0.0.1",
+                 help="tfdata_worker: the address readers reach this worker at.")
   p.add_argument("--exit_with_parent", action="store_true",
                  help="exit when the launching process goes away")
   return p.parse_args(argv)
 
 
+def _serve_tfdata(args) -> int:
+  """A tf.data service dispatcher or worker of the shared data list, until killed."""
+  if args.port < 1:
+    print(f"--port must be given for {args.job_name}.", file=sys.stderr)
+    return 2
+  if args.job_name == "tfdata_worker" and not args.dispatcher_address:
+    print("--dispatcher_address must be given for tfdata_worker.", file=sys.stderr)
+    return 2
+  if args.exit_with_parent:
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+  from tf_gba.data import data_list  # pylint: disable=g-import-not-at-top
+  if args.job_name == "tfdata_dispatcher":
+    server = data_list.start_dispatcher(args.port)
+  else:
+    server = data_list.start_worker(args.dispatcher_address, args.port, args.host)
+  print(f"TF_GBA_SERVER_READY {args.job_name}:{args.port}", flush=True)
+  server.join()
+  return 0
+
+
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
+  if args.job_name in ("tfdata_dispatcher", "tfdata_worker"):
+    return _serve_tfdata(args)
   if args.cluster_spec is None:
     tf_config = json.loads(os.environ.get("TF_CONFIG", "{}"))
     if "cluster" not in tf_config or "task" not in tf_config:
@@ -56,7 +90,8 @@ def main(argv=None) -> int:
     cluster = json.loads(args.cluster_spec)
     job_name, task_index = args.job_name, args.task_index
   if job_name not in ("ps", "worker"):
-    print(f"job_name must be 'ps' or 'worker', got {job_name!r}.", file=sys.stderr)
+    print(f"job_name must be 'ps', 'worker', 'tfdata_dispatcher' or 'tfdata_worker', got "
+          f"{job_name!r}.", file=sys.stderr)
     return 2
   if args.exit_with_parent:
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()

@@ -14,6 +14,9 @@ PS_MODES = modes_lib.MODES
 ASYNC_TUNED = "async_tuned"
 MODES = PS_MODES + ("sync", "dts", ASYNC_TUNED)
 MODEL_NAMES = ("deepfm", "dcn", "youtube_dnn")
+INPUTS = ("shared", "sharded")
+# Worker steps of a run that reads static shards and sets no --steps (the original default).
+DEFAULT_STEPS = 2000
 
 
 @dataclasses.dataclass
@@ -32,7 +35,9 @@ class TrainConfig:
   sparse_normalize: str = "num_aggregate"
   stragglers: str = "none"
   straggler_seed: int = 0
-  steps: int = 2000
+  # Worker steps (local batches over all workers). None: one pass over the day's train rows with
+  # the shared data list; DEFAULT_STEPS with static shards and in the all-reduce modes.
+  steps: Optional[int] = None
   model_dir: str = "/tmp/tf_gba_train"
   eval_every: int = 0
   log_every: int = 100
@@ -74,6 +79,28 @@ class TrainConfig:
   dts_latency_ms: float = 0.0
   dts_inner: str = "momentum"
   dts_momentum: float = 0.9
+  # Parameter-server modes' input: "shared" (one data list that every worker pulls its next batch
+  # from, tf.data service with dynamic sharding; tf_gba.data.data_list) or "sharded" (each worker
+  # repeats a static shard of the rows).
+  input: str = "shared"
+  # The shared list's tf.data service: workers the local cluster starts, or on a real cluster
+  # (TF_CONFIG) the host:port of a dispatcher already running.
+  tfdata_workers: int = 2
+  tfdata_dispatcher: str = ""
+  # A day whose steps make no progress this long ends, reporting the batches not trained on.
+  stall_timeout_s: float = 120.0
+
+  def __post_init__(self):
+    if self.steps is None and not self.day_mode_possible:
+      self.steps = DEFAULT_STEPS
+
+  @property
+  def day_mode_possible(self) -> bool:
+    return self.mode in PS_MODES and self.input == "shared"
+
+  @property
+  def uses_data_list(self) -> bool:
+    return self.mode in PS_MODES and self.input == "shared"
 
   def data_kwargs(self) -> dict:
     """`--data_options` ("key=value,...") as keyword arguments of the data source.
@@ -108,9 +135,19 @@ class TrainConfig:
         raise ValueError(f"--dts_inner must be 'sgd' or 'momentum', got {self.dts_inner!r}.")
     if self.model not in MODEL_NAMES:
       raise ValueError(f"--model must be one of {MODEL_NAMES}, got {self.model!r}.")
+    if self.input not in INPUTS:
+      raise ValueError(f"--input must be one of {INPUTS}, got {self.input!r}.")
+    if self.steps is None and not self.day_mode_possible:
+      raise ValueError("--steps must be set unless a parameter-server mode reads the shared "
+                       "data list (--input=shared), whose run ends when the day is consumed.")
+    if self.uses_data_list and self.tfdata_workers < 1:
+      raise ValueError(f"--tfdata_workers must be >= 1 with --input=shared, got "
+                       f"{self.tfdata_workers}.")
+    if not self.stall_timeout_s > 0:
+      raise ValueError(f"--stall_timeout_s must be > 0, got {self.stall_timeout_s}.")
     for name in ("num_ps", "num_workers", "local_batch_size", "steps", "log_every",
                  "embedding_dim"):
-      if getattr(self, name) < 1:
+      if getattr(self, name) is not None and getattr(self, name) < 1:
         raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
     if self.eval_every < 0:
       raise ValueError(f"--eval_every must be >= 0 (0: only at the end), got {self.eval_every}.")

@@ -59,12 +59,17 @@ def make_strategy(config: TrainConfig, resolver) -> GBAStrategy:
 def _cluster(config: TrainConfig):
   """The local multi-process cluster, or the one TF_CONFIG describes (this task: the chief)."""
   if os.environ.get("TF_CONFIG"):
+    if config.uses_data_list and not config.tfdata_dispatcher:
+      raise ValueError("--input=shared on a real cluster needs --tfdata_dispatcher=HOST:PORT, a "
+                       "dispatcher started with `python -m tf_gba.distribute.server "
+                       "--job_name=tfdata_dispatcher` (see the README), or --input=sharded.")
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     yield resolver, None
     return
   with LocalCluster(num_ps=config.num_ps, num_workers=config.num_workers,
-                    log_dir=config.log_dir, keep_logs=config.keep_logs,
-                    restart_workers=True) as cluster:
+                    log_dir=config.log_dir, keep_logs=config.keep_logs, restart_workers=True,
+                    num_tfdata_workers=config.tfdata_workers if config.uses_data_list else 0
+                    ) as cluster:
     yield cluster.resolver(), cluster
 
 
@@ -81,18 +86,21 @@ class _Progress(keras.callbacks.Callback):
   def on_epoch_end(self, epoch, logs=None):
     job = self._job
     steps = (epoch + 1) * epoch_steps(job.config)
-    if steps % job.config.log_every and steps < job.config.steps:
+    if steps % job.config.log_every and steps < job.total_steps:
       return  # an epoch that ends at a checkpoint only
     elapsed = time.time() - self._t0
     stats = _optimizer_stats(job.optimizer)
     recovery.report(job.config.model_dir, stats["global_step"])
     dense = stats["dense"] or {}
     loss = (logs or {}).get("loss", float("nan"))
-    qps = steps * job.config.local_batch_size / max(elapsed, 1e-9)
     workers = job.strategy.worker_step_stats()
+    if job.shared_input is not None:
+      # Steps that trained a batch (the no-op reads at the end of the list are not steps).
+      steps = sum(w["steps"] for w in workers)
+    qps = steps * job.config.local_batch_size / max(elapsed, 1e-9)
     if self.warm is None:
       self.warm = (time.time(), steps, workers)
-    _log(f"step {steps}/{job.config.steps}  global step {stats['global_step']}  "
+    _log(f"step {steps}/{job.total_steps}  global step {stats['global_step']}  "
          f"loss {loss:.4f}  QPS {qps:,.0f}  staleness mean {dense.get('mean_staleness', 0):.2f} "
          f"max {dense.get('staleness_max', 0)}  dropped batches {dense.get('dropped', 0)}")
     with job.writer.as_default(step=steps):
@@ -149,7 +157,7 @@ class PeriodicCheckpoint(keras.callbacks.Callback):
   def on_epoch_end(self, epoch, logs=None):
     cfg = self._job.config
     steps = (epoch + 1) * epoch_steps(cfg)
-    if steps >= cfg.steps:
+    if steps >= self._job.total_steps:
       return  # the run's last checkpoint follows
     due_steps = (cfg.checkpoint_every_steps and
                  steps - self._last_steps >= cfg.checkpoint_every_steps)
@@ -215,6 +223,11 @@ class _Job:
     self.writer = tf.summary.create_file_writer(os.path.join(config.model_dir, "tensorboard"))
     self._eval_model = None
     self._eval_data = None
+    self.shared_input = None  # the shared data list (--input=shared), set up by run()
+
+  @property
+  def total_steps(self):
+    return self.shared_input.total_steps if self.shared_input else self.config.steps
 
   def _restore(self, strategy, path):
     try:
@@ -284,6 +297,10 @@ class _Job:
             "examples": int(len(labels))}
 
 
+def _dispatcher_address(config: TrainConfig, cluster) -> str:
+  return cluster.tfdata_dispatcher if cluster is not None else config.tfdata_dispatcher
+
+
 def run(config: TrainConfig) -> dict:
   """Trains as `config` says and returns the summary."""
   # Flags, data and model_dir, before any server starts: a fault is one line, not a traceback
@@ -306,26 +323,50 @@ def run(config: TrainConfig) -> dict:
     job = _Job(config, strategy)
     # After the restore: a checkpoint of unknown origin that did not fit has raised by now.
     preflight.write_metadata(config)
+    shared = None
+    if config.uses_data_list:
+      from tf_gba.training import shared_input  # pylint: disable=g-import-not-at-top
+      shared = shared_input.SharedInput(config, strategy, _dispatcher_address(config, cluster),
+                                        job.data_kwargs)
+      shared.install_train_function(job.model)
+      job.shared_input = shared
     start_step = int(job.optimizer.iterations.numpy())
     _log(f"tf_gba: mode={config.mode} model={config.model} data={config.data} "
          f"ps={strategy.num_ps} workers={strategy.num_workers} M={config.num_aggregate} "
          f"local batch={config.local_batch_size} global batch={config.global_batch} "
-         f"stragglers={config.stragglers}"
+         f"stragglers={config.stragglers} input={config.input}"
+         + (f" ({shared.num_batches} batches in the list, "
+            + ("one pass)" if shared.day_mode else f"{shared.list.passes} pass(es))")
+            if shared else "")
          + (f" restored from {job.restored_from} (global step {start_step})"
             if job.restored_from else ""))
     # Where the run ends, in global steps; a rerun after a failure goes on to the same target.
     m = config.num_aggregate
-    run_steps = math.ceil(config.steps / epoch_steps(config)) * epoch_steps(config)
-    resume = recovery.begin(config.model_dir, config.mode, config.steps, start_step,
-                            target_if_new=start_step + run_steps // m)
-    if resume.resumed:
-      left = max(0, resume.target_global_step - start_step) * m
-      _log(f"tf_gba: resuming an interrupted run (restart {resume.restarts}): global step "
-           f"{start_step} of {resume.target_global_step}, {left} worker steps left, "
-           f"{resume.steps_redone} global steps redone so far")
-      job.config = config = dataclasses.replace(config, steps=max(left, 1))
-    epochs = math.ceil(config.steps / epoch_steps(config)) if not (
-        resume.resumed and resume.target_global_step <= start_step) else 0
+    day_mode = shared is not None and shared.day_mode
+    if day_mode:
+      # One pass over the day: as many global steps as the list has batches, over M.
+      resume = recovery.begin(config.model_dir, config.mode, None, start_step,
+                              target_if_new=start_step + math.ceil(shared.num_batches / m))
+      if resume.resumed:
+        # The list's read position is not in the checkpoint: the day is read again from its
+        # start, on top of the parameters of the last checkpoint.
+        _log(f"tf_gba: resuming an interrupted day (restart {resume.restarts}) from global step "
+             f"{start_step}: the day's data list is read again from its start")
+      epochs = math.ceil(shared.max_steps / epoch_steps(config))
+    else:
+      run_steps = math.ceil(config.steps / epoch_steps(config)) * epoch_steps(config)
+      resume = recovery.begin(config.model_dir, config.mode, config.steps, start_step,
+                              target_if_new=start_step + run_steps // m)
+      if resume.resumed:
+        left = max(0, resume.target_global_step - start_step) * m
+        _log(f"tf_gba: resuming an interrupted run (restart {resume.restarts}): global step "
+             f"{start_step} of {resume.target_global_step}, {left} worker steps left, "
+             f"{resume.steps_redone} global steps redone so far")
+        job.config = config = dataclasses.replace(config, steps=max(left, 1))
+        if shared is not None:
+          shared.config = config
+      epochs = math.ceil(config.steps / epoch_steps(config)) if not (
+          resume.resumed and resume.target_global_step <= start_step) else 0
     progress = _Progress(job)
     callbacks = [progress]
     periodic = None
@@ -336,7 +377,11 @@ def run(config: TrainConfig) -> dict:
     history = keras.callbacks.History()
     history.history = {}
     try:
-      if epochs:
+      if shared is not None:
+        history = fit_shared(job.model, job.optimizer, shared, epochs, callbacks,
+                             epoch_steps(config))
+        epochs = max(1, len(history.history.get("loss", [])))
+      elif epochs:
         history = job.model.fit(keras.utils.experimental.DatasetCreator(job.dataset_fn),
                                 epochs=epochs, steps_per_epoch=epoch_steps(config), verbose=0,
                                 callbacks=callbacks)
@@ -361,8 +406,14 @@ def run(config: TrainConfig) -> dict:
     evaluation = job.evaluate()
     saved = job.save_checkpoint()
     recovery.report(config.model_dir, stats["global_step"], finished=True)
+    if shared is not None:
+      # Only steps that trained a batch run the strategy's step and count on their worker;
+      # the no-op reads at the end of the list do not.
+      steps_measured = sum(w["measured_steps"] for w in worker_stats)
     summary = _summary(config, strategy, history, stats, worker_stats, evaluation, wall,
                        steps_measured, t1 - t0, start_step, saved)
+    if shared is not None:
+      _add_data_list(summary, shared.report(), config)
     summary.update(_data_fields(data_report))
     summary["skipped_checkpoints"] = job.skipped_checkpoints
     summary["periodic_checkpoints"] = len(periodic.saved) if periodic else 0
@@ -395,6 +446,43 @@ def _raise_if_ps_lost(error: Exception, cluster) -> None:
         f"{what} died or became unreachable ({type(error).__name__}); its variables are lost. "
         "Rerun the same command (once every server is back) to resume from the last checkpoint "
         "in model_dir.") from error
+
+
+def fit_shared(model, optimizer, shared, epochs: int, callbacks=(), steps_per_epoch=None):
+  """model.fit on the shared data list (`shared_input.SharedInput`): ends at the end of the
+  list (then completes a partial GBA step), after `epochs` epochs, or at a stall."""
+  shared.watch()
+  try:
+    history = model.fit(keras.utils.experimental.DatasetCreator(shared.dataset_fn),
+                        epochs=epochs, steps_per_epoch=steps_per_epoch or shared.config.log_every,
+                        verbose=0, callbacks=[*callbacks, shared.callback()])
+  except Exception as e:  # pylint: disable=broad-except
+    if shared.stalled is None:
+      raise
+    _log(f"tf_gba: the day ended early: {shared.stalled} ({type(e).__name__})")
+    history = model.history
+  finally:
+    shared.stop_watching()
+  if shared.day_mode and shared.stalled is None:
+    flushed = shared.flush_partial_step(model, optimizer)
+    if flushed:
+      _log(f"tf_gba: end of the day: the last global step completed with {flushed} zero "
+           "gradient(s) (what was buffered, divided by M)")
+  return history
+
+
+def _add_data_list(summary: dict, report: dict, config: TrainConfig) -> None:
+  """The shared list's counts in the summary; in day mode steps and examples are what trained."""
+  summary["input"] = "shared"
+  summary["data_list"] = report
+  for w in summary["per_worker"]:
+    w["batches"] = report["per_worker_batches"][w["worker"]]
+    w["examples"] = report["per_worker_examples"][w["worker"]]
+  if report["day_mode"]:
+    summary["steps"] = report["batches"]
+    summary["examples"] = report["examples"]
+  summary["duplicates"] = report["duplicates"]
+  summary["missed"] = report["missed"]
 
 
 def _run_dts(config: TrainConfig) -> dict:
@@ -553,6 +641,13 @@ def print_summary(s: dict) -> None:
                      for w in s["per_worker"])] if s.get("max_lead") is not None else []),
       *([f"  hop_bw                {s['ignored_gradients']} gradients of an older version "
          "ignored"] if s["mode"] == "hop_bw" else []),
+      *([f"  data list             {s['data_list']['batches']} batches "
+         f"({s['data_list']['examples']:,} examples) of {s['data_list']['listed_batches']} "
+         f"listed; per worker "
+         + "  ".join(f"w{i}={b}" for i, b in enumerate(s['data_list']['per_worker_batches']))
+         + f"; duplicates {s['data_list']['duplicates']}  missed {s['data_list']['missed']}"
+         + (f"  STALLED: {s['data_list']['stalled']}" if s['data_list']['stalled'] else "")]
+        if s.get("data_list") else []),
       f"  eval AUC              {s['eval_auc']:.4f}",
       f"  eval logloss          {s['eval_logloss']:.4f}",
       f"  checkpoint            {s['checkpoint']}",

@@ -1,0 +1,197 @@
+"""The shared data list on real TF servers: exactly once per day, a slow worker takes fewer batches.
+
+A day of distinct example ids is trained in GBA mode by 3 workers on 127.0.0.1, worker 0 4x slower
+(a 200 ms compute floor, then x4: well above the ~50 ms a step spends in dispatch on a
+loaded machine, so the 4x shows in the batch counts). What reached the train step is recorded by the model itself (a
+parameter-server counter of the ids of each batch it trained on), independently of the data
+list's own counters, and compared with the day's ids in NumPy.
+"""
+
+import math
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+from tf_gba.data import data_list as data_list_lib
+from tf_gba.data import pipeline
+from tf_gba.distribute import LocalCluster
+from tf_gba.ops import worker_clock
+from tf_gba.optimizers import GBA
+from tf_gba.training import runner
+from tf_gba.training import shared_input
+from tf_gba.training.config import TrainConfig
+
+WORKERS, BATCH, ROWS = 3, 16, 16 * 100 + 5   # 101 batches, the last one partial
+LOG_EVERY = 100
+STRAGGLERS = "compute:200+persistent:4@0"
+
+
+class _IdModel(keras.Model):
+  """Logistic regression on an id embedding; counts, on the PS, every id it trains on."""
+
+  def __init__(self, num_ids):
+    super().__init__()
+    self.embed = keras.layers.Embedding(num_ids, 1)
+    self.hits = tf.Variable(tf.zeros([num_ids], tf.int32), trainable=False)
+
+  def call(self, features):
+    return tf.sigmoid(tf.squeeze(self.embed(features["id"]), -1))
+
+  def train_step(self, data):
+    features, labels = data
+    ids = features["id"]
+    with tf.GradientTape() as tape:
+      loss = self.compiled_loss(labels, self(features, training=True))
+    self.optimizer.apply_gradients(
+        zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+    with tf.control_dependencies([loss]):
+      self.hits.scatter_add(tf.IndexedSlices(tf.ones_like(ids, tf.int32), ids))
+    return {"loss": loss}
+
+
+def _rows():
+  ids = np.arange(ROWS, dtype=np.int64)
+  return {"id": ids}, (ids % 2).astype(np.float32)
+
+
+def _setup(tmp_path, cluster, input_mode):
+  cfg = TrainConfig(mode="gba", num_workers=WORKERS, local_batch_size=BATCH, log_every=LOG_EVERY,
+                    stragglers=STRAGGLERS, input=input_mode, model_dir=str(tmp_path),
+                    steps=None if input_mode == "shared" else 2 * math.ceil(ROWS / BATCH))
+  strategy = runner.make_strategy(cfg, cluster.resolver())
+  with strategy.scope():
+    model = _IdModel(ROWS)
+    optimizer = GBA(keras.optimizers.Adam(0.01), num_aggregate=WORKERS)
+    model.compile(optimizer, loss=keras.losses.BinaryCrossentropy())
+    model(_rows()[0])  # builds the variables (what fit would do lazily)
+    optimizer.build(model.trainable_variables)
+  return cfg, strategy, model, optimizer
+
+
+def test_each_batch_of_the_day_is_trained_once_and_the_slow_worker_takes_fewer(tmp_path):
+  with LocalCluster(num_ps=1, num_workers=WORKERS, num_tfdata_workers=2) as cluster:
+    cfg, strategy, model, optimizer = _setup(tmp_path, cluster, "shared")
+    shared = shared_input.SharedInput(cfg, strategy, cluster.tfdata_dispatcher, {},
+                                      rows=_rows())
+    shared.install_train_function(model)
+    runner.fit_shared(model, optimizer, shared, math.ceil(shared.max_steps / cfg.log_every))
+    hits = model.hits.numpy()
+    report = shared.report()
+    global_step = int(optimizer.iterations.numpy())
+    tokens = int(optimizer._token_source().count().numpy())  # pylint: disable=protected-access
+
+  # The multiset of ids that reached the train step is the day's ids, each once.
+  np.testing.assert_array_equal(hits, np.ones(ROWS, np.int32))
+  # The list's own counts (batch ids carried with the batches) agree.
+  nb = math.ceil(ROWS / BATCH)
+  assert report["duplicates"] == 0 and report["missed"] == 0, report
+  assert report["batches"] == nb and report["examples"] == ROWS, report
+  assert report["exhausted"] == [1] * WORKERS
+  # Worker 0, 4x slower, took at most 0.4x the batches of the median other worker.
+  batches = report["per_worker_batches"]
+  print(f"shared list: per-worker batches {batches}")
+  assert batches[0] <= 0.4 * np.median(batches[1:]), batches
+  # The last partial global step was completed: nb pushes + zeros fill whole steps of M.
+  assert report["flushed_zero_gradients"] == (-nb) % WORKERS
+  assert global_step == math.ceil(nb / WORKERS)
+  assert tokens == global_step * WORKERS
+
+
+def test_static_shards_over_represent_the_fast_workers_rows(tmp_path):
+  """The contrast: the same day and stragglers with each worker repeating its own shard.
+
+  In as many steps as the day has batches, worker 0's shard is read in part while the fast
+  workers go round theirs again: rows are missed and others trained twice.
+  """
+  nb = math.ceil(ROWS / BATCH)
+  with LocalCluster(num_ps=1, num_workers=WORKERS) as cluster:
+    cfg, strategy, model, _ = _setup(tmp_path, cluster, "sharded")
+    features, labels = _rows()
+    info = type("Info", (), {"categorical": ("id",), "numeric": ()})()
+
+    def dataset_fn(ctx):
+      del ctx
+      return pipeline.from_arrays(info, features, labels, batch_size=BATCH,
+                                  num_shards=WORKERS, shard_index=worker_clock.worker_index(),
+                                  repeat=True, shuffle_seed=0)
+
+    model.fit(keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
+              steps_per_epoch=nb, verbose=0)
+    hits = model.hits.numpy()
+  print(f"static shards: {(hits == 0).sum()} of {ROWS} rows missed, {(hits > 1).sum()} trained "
+        "more than once")
+  assert (hits == 0).sum() > 0, "some rows of the slow worker's shard never trained"
+  assert (hits > 1).sum() > 0, "some rows of the fast workers' shards trained twice"
+
+
+def test_data_list_batches_partition_the_rows_in_a_seeded_order():
+  features, labels = _rows()
+  dl = data_list_lib.DataList(features, labels, BATCH, seed=3, passes=2)
+  nb = math.ceil(ROWS / BATCH)
+  assert dl.num_batches == nb
+  rows = np.concatenate([dl.rows_of(b) for b in range(nb)])
+  np.testing.assert_array_equal(np.sort(rows), np.arange(ROWS))
+  assert dl.batch_sizes().sum() == ROWS and dl.batch_sizes()[-1] == ROWS - BATCH * (nb - 1)
+  # Each pass lists every batch once, in its own order.
+  order = dl.batch_order.reshape(2, nb)
+  for p in range(2):
+    np.testing.assert_array_equal(np.sort(order[p]), np.arange(nb))
+  assert not np.array_equal(order[0], order[1])
+  # Same seed, same list.
+  again = data_list_lib.DataList(features, labels, BATCH, seed=3, passes=2)
+  np.testing.assert_array_equal(again.batch_order, dl.batch_order)
+  np.testing.assert_array_equal(again.row_order, dl.row_order)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(batch_size=0), "batch_size"), (dict(passes=0), "passes")])
+def test_data_list_rejects_bad_arguments(kwargs, message):
+  features, labels = _rows()
+  args = dict(batch_size=BATCH, seed=0, passes=1)
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=message):
+    data_list_lib.DataList(features, labels, **args)
+
+
+def test_config_input_and_steps():
+  assert TrainConfig().steps is None                       # shared: one pass over the day
+  assert TrainConfig(input="sharded").steps == 2000        # the original default
+  assert TrainConfig(mode="sync").steps == 2000
+  with pytest.raises(ValueError, match="--input"):
+    TrainConfig(input="files").validate()
+
+
+def test_a_killed_tfdata_worker_ends_the_day_without_hanging(tmp_path):
+  """A tf.data worker killed mid-day: the run ends (by the stall watchdog if the readers wait for
+  the dead worker) and the report counts the batches that were not trained on."""
+  with LocalCluster(num_ps=1, num_workers=WORKERS, num_tfdata_workers=2) as cluster:
+    cfg, strategy, model, optimizer = _setup(tmp_path, cluster, "shared")
+    cfg.stall_timeout_s = 15.0
+    shared = shared_input.SharedInput(cfg, strategy, cluster.tfdata_dispatcher, {},
+                                      rows=_rows())
+
+    class _Kill(keras.callbacks.Callback):
+
+      def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+          cluster.kill("tfdata_worker", 0)
+
+    shared.install_train_function(model)
+    cfg.log_every = 20
+    start = time.time()
+    runner.fit_shared(model, optimizer, shared, math.ceil(shared.max_steps / cfg.log_every),
+                      [_Kill()])
+    elapsed = time.time() - start
+    report = shared.report()
+    hits = model.hits.numpy()
+  print(f"killed tf.data worker: {elapsed:.1f} s, report {report}")
+  # Still at most once; what the report says was not trained on is what the model did not see.
+  assert int((hits > 1).sum()) == 0 and report["duplicates"] == 0
+  assert report["missed_examples"] == int((hits == 0).sum())
+  assert report["batches"] + report["missed"] == math.ceil(ROWS / BATCH)
+  # Either the readers finished the day on the surviving tf.data worker, or the watchdog ended
+  # the day and said so.
+  assert report["stalled"] is not None or report["missed"] == 0, report

@@ -1,0 +1,223 @@
+"""The shared data list: every worker pulls the next batch of the day from one queue.
+
+In the GBA paper the parameter-server side keeps a "data list" of batch addresses and each worker
+takes the next one when it starts a step, so a fast worker reads more batches than a slow one and
+every batch of a day is read once (SPEC.md, "Data list"). Here the queue is a tf.data service job
+with dynamic sharding: the dispatcher hands out the elements of a small source dataset, one element
+per batch (its batch id), to whichever worker asks next. The worker turns the id into the batch's
+rows itself, from the day's rows held in its input pipeline, so only 8-byte ids cross the service
+(one element per batch, not per row: one split per row measured 3-4x slower).
+
+Pieces:
+
+* `load_rows(spec, day, ...)`: one day's train rows of any source, as NumPy columns.
+* `DataList`: batches of those rows in a seeded order; `dataset(service, job_name)` is what each
+  parameter-server worker reads: `(features, label, batch_id)` through the service.
+* `start_dispatcher` / `start_worker`: the tf.data service servers (in this process).
+* `DayCounters`: per-worker counters of what reached the train step (batch ids seen, examples,
+  batches, whether the worker has seen the end of the day), to check exactly-once delivery from
+  what was trained on rather than from the dispatcher's view.
+
+End of the day: a worker reads with `get_next_as_optional()`; once the job is exhausted it gets an
+empty optional (never an OutOfRange error, which would make the coordinator cancel the other
+workers' steps and lose the batches their service clients had already fetched). The run keeps
+scheduling steps until every worker has seen the end, so every fetched batch is trained on.
+"""
+
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gba import data as data_lib
+
+# The dispatcher forgets a tf.data worker that missed heartbeats for this long.
+DEFAULT_WORKER_TIMEOUT_MS = 5000
+
+
+def load_rows(spec: str, day: Optional[int], strict: bool = False,
+              **options) -> Tuple[Dict[str, np.ndarray], np.ndarray]:
+  """The train rows of `day` (None: every day, in order) as NumPy columns and labels."""
+  ds = data_lib.make_dataset(spec, split="train", batch_size=65536, day=day, repeat=False,
+                             shuffle_seed=None, strict=strict, **options)
+  feats: Dict[str, list] = {}
+  labels = []
+  for x, y in ds:
+    for name, value in x.items():
+      feats.setdefault(name, []).append(value.numpy())
+    labels.append(y.numpy())
+  if not labels:
+    raise ValueError(f"Data spec {spec!r} has no train rows for day {day}.")
+  return ({name: np.concatenate(v) for name, v in feats.items()},
+          np.concatenate(labels).astype(np.float32))
+
+
+class DataList:
+  """A day's rows cut into batches, handed out one batch id at a time by a tf.data service job.
+
+  Args:
+    features, labels: the day's rows (`load_rows`).
+    batch_size: rows per batch; the last batch of the day may be smaller.
+    seed: rows are shuffled into batches with this seed, and each pass over the day visits the
+      batches in its own seeded order; None keeps the rows and batches in order.
+    passes: how many times the source lists every batch (runs of a fixed step count may need
+      more than one pass over the day).
+  """
+
+  def __init__(self, features: Dict[str, np.ndarray], labels: np.ndarray, batch_size: int,
+               seed: Optional[int] = 0, passes: int = 1):
+    if batch_size < 1:
+      raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    if passes < 1:
+      raise ValueError(f"passes must be >= 1, got {passes}.")
+    self.num_rows = int(len(labels))
+    if self.num_rows == 0:
+      raise ValueError("DataList needs at least one row.")
+    for name, col in features.items():
+      if len(col) != self.num_rows:
+        raise ValueError(f"Feature {name!r} has {len(col)} rows, labels have {self.num_rows}.")
+    self.batch_size = int(batch_size)
+    self.num_batches = -(-self.num_rows // self.batch_size)
+    self.passes = int(passes)
+    rng = np.random.default_rng(seed)
+    self.row_order = (rng.permutation(self.num_rows) if seed is not None
+                      else np.arange(self.num_rows)).astype(np.int64)
+    orders = [rng.permutation(self.num_batches) if seed is not None
+              else np.arange(self.num_batches) for _ in range(self.passes)]
+    self.batch_order = np.concatenate(orders).astype(np.int64)
+    self._features = features
+    self._labels = labels.astype(np.float32)
+
+  def rows_of(self, batch_id: int) -> np.ndarray:
+    """Row indices (into the day's rows) of batch `batch_id`."""
+    return self.row_order[batch_id * self.batch_size:(batch_id + 1) * self.batch_size]
+
+  def batch_sizes(self) -> np.ndarray:
+    sizes = np.full(self.num_batches, self.batch_size, np.int64)
+    sizes[-1] = self.num_rows - self.batch_size * (self.num_batches - 1)
+    return sizes
+
+  def source(self) -> tf.data.Dataset:
+    """What the dispatcher splits: one element (a batch id) per batch, in the list's order."""
+    order = tf.constant(self.batch_order)
+    return tf.data.Dataset.range(len(self.batch_order)).map(lambda i: tf.gather(order, i))
+
+  def dataset(self, service: str, job_name: str,
+              max_outstanding_requests: Optional[int] = 1) -> tf.data.Dataset:
+    """`(features, label, batch_id)` batches, each taken from the shared list when asked for.
+
+    Every reader of the same `job_name` shares one queue: together they read each listed batch
+    once. Call it in a ParameterServerStrategy `dataset_fn`; each worker then pulls batches as
+    fast as it consumes them.
+
+    `max_outstanding_requests`: batches a worker's service client may have asked for ahead of
+    its step. The default 1 keeps the next batch in flight (its fetch overlaps the step) and no
+    more: a client left to prefetch takes batches at its fetch rate, not its training rate, and
+    a slow worker would hold batches that faster workers could have trained on.
+    """
+    # TF caches the reader's decompression function per process (one trace for every dataset);
+    # a process that starts a second cluster (tests, benchmarks) would send the new workers a
+    # graph calling a function they were never given. A fresh trace per dataset avoids that.
+    from tensorflow.python.data.experimental.ops import data_service_ops  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
+    getattr(data_service_ops, "_get_uncompress_func", None) and (
+        data_service_ops._get_uncompress_func.cache_clear())  # pylint: disable=protected-access
+    ids = self.source().apply(tf.data.experimental.service.distribute(
+        processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC,
+        service=service if "://" in service else f"grpc://{service}", job_name=job_name,
+        max_outstanding_requests=max_outstanding_requests,
+        compression=None))  # 8-byte ids
+    columns = {name: tf.constant(np.asarray(col)) for name, col in self._features.items()}
+    label = tf.constant(self._labels)
+    row_order = tf.constant(self.row_order)
+    batch, num_rows = self.batch_size, self.num_rows
+
+    def gather(batch_id):
+      start = batch_id * batch
+      rows = row_order[start:tf.minimum(start + batch, num_rows)]
+      return ({name: tf.gather(col, rows) for name, col in columns.items()},
+              tf.gather(label, rows), batch_id)
+
+    # No prefetch here: a batch prefetched by a worker is a batch no faster worker can take.
+    return ids.map(gather)
+
+
+def start_dispatcher(port: int = 0, worker_timeout_ms: int = DEFAULT_WORKER_TIMEOUT_MS
+                     ) -> tf.data.experimental.service.DispatchServer:
+  """A tf.data service dispatcher in this process; `.target` is its "grpc://host:port"."""
+  return tf.data.experimental.service.DispatchServer(
+      tf.data.experimental.service.DispatcherConfig(port=port,
+                                                    worker_timeout_ms=worker_timeout_ms))
+
+
+def start_worker(dispatcher_address: str, port: int, host: str = "127.0.0.1"
+                 ) -> tf.data.experimental.service.WorkerServer:
+  """A tf.data service worker in this process, registered with the dispatcher.
+
+  The worker's address is given explicitly: the default ("localhost:port") may resolve to an
+  interface the worker does not listen on, and on a real cluster must be reachable by readers.
+  """
+  address = dispatcher_address.split("://", 1)[-1]
+  return tf.data.experimental.service.WorkerServer(
+      tf.data.experimental.service.WorkerConfig(dispatcher_address=address,
+                                                worker_address=f"{host}:{port}", port=port))
+
+
+class DayCounters:
+  """What the workers trained on: per worker, times each batch id was trained, and totals.
+
+  Variables live on each worker (per-worker variables: no round trip to a parameter server in the
+  step). Create under the strategy's scope after its ClusterCoordinator exists.
+  """
+
+  def __init__(self, num_batches: int):
+    self.num_batches = int(num_batches)
+    self.seen = tf.Variable(tf.zeros([self.num_batches], tf.int32), trainable=False,
+                            per_worker_variable=True, name="data_list_seen")
+    self.examples = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                per_worker_variable=True, name="data_list_examples")
+    self.batches = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                               per_worker_variable=True, name="data_list_batches")
+    self.exhausted = tf.Variable(tf.constant(0, tf.int32), trainable=False,
+                                 per_worker_variable=True, name="data_list_exhausted")
+
+  def record_step(self, has_value, batch_id, num_examples) -> tf.Operation:
+    """In the step, after it: counts a trained batch, or marks the worker as having seen the end.
+
+    Unconditional updates (zero where there is nothing to count): a per-worker variable is bound
+    to the worker running the step where the scheduled function captures it, which a cond
+    branch's captures are not.
+    """
+    has = tf.cast(has_value, tf.int32)
+    batch_id = tf.cast(batch_id, tf.int64) % self.num_batches
+    return tf.group(
+        # A dense add of a one-hot row: per-worker variables take assign_add, not scatters.
+        self.seen.assign_add(tf.one_hot(batch_id, self.num_batches, dtype=tf.int32) * has),
+        self.examples.assign_add(tf.cast(num_examples, tf.int64) * tf.cast(has, tf.int64)),
+        self.batches.assign_add(tf.cast(has, tf.int64)),
+        self.exhausted.assign(tf.maximum(self.exhausted.read_value(), 1 - has)))
+
+  def all_exhausted(self) -> bool:
+    """Whether every worker has seen the end of the list (read from the coordinator)."""
+    return all(int(x) for x in self.exhausted.read_all())
+
+  def report(self, batch_sizes: Optional[np.ndarray] = None, passes: int = 1) -> dict:
+    """Per-worker batches and examples, and how the trained batches cover the list.
+
+    `duplicates` counts trainings of a batch beyond `passes`, `missed` the batches trained fewer
+    than `passes` times (in batches; `missed_examples` in rows when `batch_sizes` is given).
+    """
+    seen = np.stack([np.asarray(v) for v in self.seen.read_all()]).astype(np.int64)
+    total = seen.sum(0)
+    out = {
+        "per_worker_batches": [int(x) for x in self.batches.read_all()],
+        "per_worker_examples": [int(x) for x in self.examples.read_all()],
+        "exhausted": [int(x) for x in self.exhausted.read_all()],
+        "listed_batches": self.num_batches * passes,
+        "duplicates": int(np.maximum(total - passes, 0).sum()),
+        "missed": int(np.maximum(passes - total, 0).sum()),
+    }
+    out["batches"] = sum(out["per_worker_batches"])
+    out["examples"] = sum(out["per_worker_examples"])
+    if batch_sizes is not None:
+      out["missed_examples"] = int((np.maximum(passes - total, 0) * batch_sizes).sum())
+    return out

@@ -1,0 +1,256 @@
+"""Training on the shared data list (`--input=shared`): the step, the end of the day, the counts.
+
+`SharedInput` plugs `tf_gba.data.data_list` into a Keras `model.fit` on a parameter-server
+strategy:
+
+* its `dataset_fn` reads `(features, label, batch_id)` from the list's tf.data service job;
+* its train function (installed on the model) reads with `get_next_as_optional()`: a batch is
+  trained on and counted (`DayCounters`); an empty read (the list is exhausted) is a no-op step
+  that marks the worker exhausted and does not run the strategy's step at all, so it neither
+  takes a GBA token nor pushes a gradient nor moves the optimizer;
+* its callback stops `fit` at the end of a logging interval once every worker has seen the end,
+  so the batches each worker's service client had fetched are all trained on;
+* `flush_partial_step()`: when the day ends with fewer than M gradients in the GBA buffers, it
+  completes that global step with zero gradients, which applies what is buffered divided by M
+  (SPEC: "divide by M", the global batch never grows) and leaves the token count on a multiple
+  of M, aligned with the global step for the next run;
+* a watchdog ends a day whose steps make no progress for `stall_timeout_s` (a tf.data worker
+  died: its clients wait for it forever), so the job reports the lost batches instead of hanging.
+"""
+
+import math
+import threading
+import time
+import uuid
+from typing import Optional
+
+import tensorflow as tf
+import tf_keras as keras
+
+from tf_gba.data import data_list as data_list_lib
+
+# Above what the longest step (a straggler at 4x on a loaded machine, a Hop-BS barrier timeout)
+# takes, well below what a user would wait before killing a hung job.
+DEFAULT_STALL_TIMEOUT_S = 120.0
+
+
+class DataServiceStalled(RuntimeError):
+  """No training step finished for too long: the shared data list stopped delivering."""
+
+
+class SharedInput:
+  """The shared data list of one run (one day or a fixed number of steps).
+
+  Args:
+    config: the run's TrainConfig.
+    strategy: its GBAStrategy.
+    dispatcher: host:port of the tf.data service dispatcher.
+    data_kwargs: options of the data source.
+    rows: the day's rows as `(features, labels)` instead of reading `config.data`.
+  """
+
+  def __init__(self, config, strategy, dispatcher: str, data_kwargs: dict, rows=None):
+    self.config = config
+    self.strategy = strategy
+    self.dispatcher = dispatcher
+    if rows is None:
+      rows = data_list_lib.load_rows(config.data, config.day, strict=config.strict_data,
+                                     **data_kwargs)
+    features, labels = rows
+    nb = math.ceil(len(labels) / config.local_batch_size)
+    # A run of a fixed number of steps lists the day as often as those steps need.
+    self.day_mode = config.steps is None
+    passes = 1 if self.day_mode else max(1, math.ceil(config.steps / nb))
+    self.list = data_list_lib.DataList(features, labels, config.local_batch_size,
+                                       seed=config.seed, passes=passes)
+    # One job per run and day: readers of one job share one queue.
+    self.job_name = f"tf_gba_{config.day}_{uuid.uuid4().hex[:12]}"
+    self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+      self.counters = data_list_lib.DayCounters(self.list.num_batches)
+    self.stalled: Optional[str] = None
+    self.flushed_gradients = 0
+    self._last_progress = time.time()
+    self._pending = []
+    self._lock = threading.Lock()
+
+  @property
+  def num_batches(self) -> int:
+    return self.list.num_batches
+
+  @property
+  def total_steps(self) -> int:
+    """Steps the run expects to train: the fixed count, or one per batch of the day."""
+    return self.num_batches if self.day_mode else self.config.steps
+
+  @property
+  def max_steps(self) -> int:
+    """Steps fit may schedule: the fixed count; in day mode no bound of its own, since the
+    callback stops fit once every worker has seen the end of the list (after the slowest one has
+    trained the batches its client already holds) and the watchdog stops a stalled day."""
+    return self.config.steps if not self.day_mode else 2**40
+
+  def dataset_fn(self, ctx=None):
+    del ctx  # every worker reads the same job: the service, not the input context, splits
+    return self.list.dataset(self.dispatcher, self.job_name)
+
+  # ---- the train step ----------------------------------------------------------------------------
+  def install_train_function(self, model) -> None:
+    """Makes `model.fit` use the shared-list step (see the module docstring)."""
+    from tf_keras.src.engine import training as keras_training  # pylint: disable=g-import-not-at-top
+    strategy, counters, shared = self.strategy, self.counters, self
+
+    def step(iterator):
+      optional = iterator.get_next_as_optional()
+      has_value = optional.has_value()
+
+      def trained():
+        features, labels, batch_id = optional.get_value()
+
+        def run_step(data):
+          outputs = model.train_step(data)
+          with tf.control_dependencies(keras_training._minimum_control_deps(outputs)):  # pylint: disable=protected-access
+            model._train_counter.assign_add(1)  # pylint: disable=protected-access
+          return outputs
+
+        outputs = strategy.run(run_step, args=((features, labels),))
+        with tf.control_dependencies(tf.nest.flatten(outputs)):
+          return outputs, tf.identity(batch_id), tf.size(labels, out_type=tf.int64)
+
+      def exhausted():
+        return (tf.nest.map_structure(tf.identity, model.get_metrics_result()),
+                tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+
+      outputs, batch_id, size = tf.cond(has_value, trained, exhausted)
+      # Counted outside the cond, once the step (its push included) is done: per-worker
+      # variables are bound to their worker where the scheduled function captures them, which a
+      # cond branch's captures are not.
+      recorded = counters.record_step(has_value, batch_id, size)
+      with tf.control_dependencies([recorded]):
+        return tf.nest.map_structure(tf.identity, outputs)
+
+    function = tf.function(step, reduce_retracing=True)
+
+    def schedule(iterator):
+      value = self.coordinator.schedule(function, args=(iterator,))
+      with self._lock:
+        self._pending.append(value)
+      return value
+
+    def make_train_function(force=False):
+      del force
+      model.train_function = schedule
+      return schedule
+
+    # Keras calls model.make_train_function() at the start of fit.
+    model.make_train_function = make_train_function
+    model.train_function = None
+
+  # ---- the end of the day ------------------------------------------------------------------------
+  def callback(self) -> keras.callbacks.Callback:
+    shared = self
+
+    class _EndOfList(keras.callbacks.Callback):
+
+      def on_epoch_end(self, epoch, logs=None):
+        if shared.counters.all_exhausted():
+          self.model.stop_training = True
+
+    return _EndOfList()
+
+  def watch(self) -> "SharedInput":
+    """Starts the stall watchdog (a daemon thread, until `stop_watching`)."""
+    self._watching = True
+    timeout = self.config.stall_timeout_s
+
+    def loop():
+      while self._watching:
+        time.sleep(min(1.0, timeout / 4))
+        now = time.time()
+        with self._lock:
+          done = [v for v in self._pending if _finished(v)]
+          self._pending = [v for v in self._pending if not _finished(v)]
+          waiting = bool(self._pending)
+        if done or not waiting:
+          self._last_progress = now
+        elif now - self._last_progress > timeout:
+          self.stalled = (f"no training step finished for {timeout:.0f} s while "
+                          f"{len(self._pending)} were scheduled: the shared data list stopped "
+                          "delivering (a tf.data worker lost?)")
+          _fail_scheduled_steps(self.coordinator, DataServiceStalled(self.stalled))
+          return
+
+    self._thread = threading.Thread(target=loop, daemon=True, name="data_list_watchdog")
+    self._thread.start()
+    return self
+
+  def stop_watching(self) -> None:
+    self._watching = False
+
+  def flush_partial_step(self, model, optimizer) -> int:
+    """GBA: completes a global step left with fewer than M gradients; returns the zeros pushed.
+
+    Each zero gradient takes the next token and a place in the step like a real one, so the
+    inner optimizer applies (sum of the buffered gradients) / M, once, as SPEC's "divide by M"
+    says for a step whose other entries were dropped.
+    """
+    if self.config.mode != "gba" or not hasattr(optimizer, "_token_source"):
+      return 0
+    m = self.strategy.num_aggregate
+    missing = (-int(optimizer._token_source().count().numpy())) % m  # pylint: disable=protected-access
+    if not missing:
+      return 0
+    variables = list(model.trainable_variables)
+    sparse = [optimizer._var_key(v) in optimizer._sparse_keys for v in variables]  # pylint: disable=protected-access
+
+    def zeros(var, is_sparse):
+      if is_sparse:
+        return tf.IndexedSlices(tf.zeros([0] + var.shape[1:].as_list(), var.dtype),
+                                tf.zeros([0], tf.int64), tf.constant(var.shape.as_list(),
+                                                                     tf.int64))
+      return tf.zeros(var.shape, var.dtype)
+
+    @tf.function
+    def push_zeros():
+      def fn():
+        optimizer.apply_gradients([(zeros(v, s), v) for v, s in zip(variables, sparse)])
+        return tf.constant(0)
+      return self.strategy.run(fn)
+
+    for _ in range(missing):
+      self.coordinator.schedule(push_zeros)
+      # One at a time: each must take its token before the next.
+      self.coordinator.join()
+    self.flushed_gradients = missing
+    return missing
+
+  def report(self) -> dict:
+    out = self.counters.report(self.list.batch_sizes(), passes=self.list.passes)
+    out.update({"input": "shared", "day_mode": self.day_mode, "rows": self.list.num_rows,
+                "num_batches": self.list.num_batches, "passes": self.list.passes,
+                "job_name": self.job_name, "stalled": self.stalled,
+                "flushed_zero_gradients": self.flushed_gradients})
+    if not self.day_mode:
+      # A fixed step count stops wherever it stops: the unread rest of the list is not "missed".
+      out["missed"] = None
+      out.pop("missed_examples", None)
+    return out
+
+
+def _fail_scheduled_steps(coordinator, error: Exception) -> None:
+  """Makes the coordinator's join() raise `error`, cancelling the steps queued and running.
+
+  What a step's own error does (ClosureQueue.mark_failed), without counting a step as finished:
+  the running steps end through the cancellation that the raising join() starts.
+  """
+  q = coordinator._cluster.closure_queue  # pylint: disable=protected-access
+  with q._queue_lock:  # pylint: disable=protected-access
+    if q._error is None:  # pylint: disable=protected-access
+      q._error = error  # pylint: disable=protected-access
+    q._stop_waiting_condition.notify_all()  # pylint: disable=protected-access
+
+
+def _finished(remote_value) -> bool:
+  # RemoteValue has no public "is it done" query; its status is what fetch() waits on.
+  status = getattr(remote_value, "_status", None)
+  return status is not None and getattr(status, "name", str(status)) != "NOT_READY"
