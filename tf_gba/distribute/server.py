@@ -68,7 +68,11 @@ def _serve_tfdata(args) -> int:
   else:
     server = data_list.start_worker(args.dispatcher_address, args.port, args.host)
   print(f"TF_GBA_SERVER_READY {args.job_name}:{args.port}", flush=True)
-  server.join()
+  # Sleep rather than server.join(): a join blocking in C++ would keep the parent watcher (a
+  # Python thread) from running, and the server would outlive its launcher. (`server` stays
+  # referenced here: the server stops when its object goes.)
+  while server is not None:
+    time.sleep(3600)
   return 0
 
 
