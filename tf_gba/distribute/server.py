@@ -112,7 +112,10 @@ def main(argv=None) -> int:
                                 task_index=task_index, protocol="grpc", config=config,
                                 start=True)
   print(f"TF_GBA_SERVER_READY {job_name}:{task_index}", flush=True)
-  server.join()
+  # Sleep rather than server.join(), as the tf.data servers above: a join blocking in C++ keeps
+  # the parent watcher (a Python thread) from running, and the server would outlive its job.
+  while server is not None:
+    time.sleep(3600)
   return 0
 
 
