@@ -47,6 +47,17 @@ Release FailedRelease(Waiter w, Status status, bool skip_deregister) {
   return r;
 }
 
+// Takes every parked wait out of `waiters` (a map from id to waiter), failed with `status`: the
+// resource is being destroyed. Called under the state's lock; its cancellation callbacks are
+// deregistered when the releases are finished.
+template <typename Release, typename Waiters>
+void FailAllParked(Waiters* waiters, const Status& status, std::vector<Release>* out) {
+  for (auto& entry : *waiters) {
+    out->push_back(FailedRelease<Release>(std::move(entry.second), status, false));
+  }
+  waiters->clear();
+}
+
 // Finishes the waits taken out under the lock: writes their outputs or status and calls `done`.
 // Must be called with no lock held.
 template <typename Release>

@@ -148,10 +148,7 @@ class BarrierState : public std::enable_shared_from_this<BarrierState> {
     {
       ::tensorflow::mutex_lock lock(mu_);
       shutdown_ = true;
-      for (auto& entry : waiters_) {
-        out.push_back(Fail(std::move(entry.second), errors::Cancelled(kDestroyed), false));
-      }
-      waiters_.clear();
+      FailAllParked(&waiters_, errors::Cancelled(kDestroyed), &out);
       std::fill(waiting_.begin(), waiting_.end(), 0);
     }
     FinishReleases(&out);
@@ -233,28 +230,6 @@ class VersionBarrier : public ::tensorflow::ResourceBase {
   std::shared_ptr<BarrierState> state_;
 };
 
-namespace {
-
-Status LookupBarrier(OpKernelContext* ctx,
-                     ::tensorflow::core::RefCountPtr<VersionBarrier>* barrier) {
-  if (!::tensorflow::TensorShapeUtils::IsScalar(ctx->input(0).shape())) {
-    return errors::InvalidArgument("The version barrier handle must be a scalar, got shape ",
-                                   ctx->input(0).shape().DebugString(), ".");
-  }
-  return LookupResource(ctx, HandleFromInput(ctx, 0), barrier);
-}
-
-Status ReadBarrierWorker(OpKernelContext* ctx, int64_t num_workers, int64_t* worker) {
-  TF_RETURN_IF_ERROR(ReadScalarInt64(ctx, 1, "worker", worker));
-  if (*worker < 0 || *worker >= num_workers) {
-    return errors::InvalidArgument("worker must be in [0, num_workers=", num_workers, "), got ",
-                                   *worker, ".");
-  }
-  return ::tensorflow::OkStatus();
-}
-
-}  // namespace
-
 class VersionBarrierCreateOp : public OpKernel {
  public:
   explicit VersionBarrierCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -286,10 +261,10 @@ class VersionBarrierWaitOp : public AsyncOpKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const int64_t start = MonoNs();
     ::tensorflow::core::RefCountPtr<VersionBarrier> barrier;
-    OP_REQUIRES_OK_ASYNC(ctx, LookupBarrier(ctx, &barrier), done);
+    OP_REQUIRES_OK_ASYNC(ctx, LookupScalarHandle(ctx, 0, "version barrier", &barrier), done);
     BarrierState* state = barrier->state();
     int64_t worker;
-    OP_REQUIRES_OK_ASYNC(ctx, ReadBarrierWorker(ctx, state->num_workers(), &worker), done);
+    OP_REQUIRES_OK_ASYNC(ctx, ReadWorkerIndex(ctx, 1, state->num_workers(), &worker), done);
     BarrierWaiter w;
     w.ctx = ctx;
     w.done = std::move(done);
@@ -306,9 +281,9 @@ class VersionBarrierReportOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<VersionBarrier> barrier;
-    OP_REQUIRES_OK(ctx, LookupBarrier(ctx, &barrier));
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "version barrier", &barrier));
     int64_t worker, version, completed, num_buffers;
-    OP_REQUIRES_OK(ctx, ReadBarrierWorker(ctx, barrier->state()->num_workers(), &worker));
+    OP_REQUIRES_OK(ctx, ReadWorkerIndex(ctx, 1, barrier->state()->num_workers(), &worker));
     OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 2, "version", &version));
     const Tensor& pushed = ctx->input(3);
     OP_REQUIRES(ctx, ::tensorflow::TensorShapeUtils::IsScalar(pushed.shape()),
@@ -335,7 +310,7 @@ class VersionBarrierReleaseOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<VersionBarrier> barrier;
-    OP_REQUIRES_OK(ctx, LookupBarrier(ctx, &barrier));
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "version barrier", &barrier));
     barrier->state()->ReleaseAll();
   }
 };
@@ -345,7 +320,7 @@ class VersionBarrierStatsOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<VersionBarrier> barrier;
-    OP_REQUIRES_OK(ctx, LookupBarrier(ctx, &barrier));
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "version barrier", &barrier));
     int64_t version;
     std::vector<int64_t> vectors[5];
     barrier->state()->Stats(&version, vectors);

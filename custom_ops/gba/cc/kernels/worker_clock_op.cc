@@ -137,10 +137,7 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
     {
       ::tensorflow::mutex_lock lock(mu_);
       shutdown_ = true;
-      for (auto& entry : waiters_) {
-        out.push_back(Fail(std::move(entry.second), errors::Cancelled(kDestroyed), false));
-      }
-      waiters_.clear();
+      FailAllParked(&waiters_, errors::Cancelled(kDestroyed), &out);
       deadlines_.clear();
       std::fill(waiting_.begin(), waiting_.end(), 0);
       timer = std::move(timer_);
@@ -313,27 +310,6 @@ class WorkerClock : public ::tensorflow::ResourceBase {
   std::shared_ptr<ClockState> state_;
 };
 
-namespace {
-
-Status LookupClock(OpKernelContext* ctx, ::tensorflow::core::RefCountPtr<WorkerClock>* clock) {
-  if (!::tensorflow::TensorShapeUtils::IsScalar(ctx->input(0).shape())) {
-    return errors::InvalidArgument("The worker clock handle must be a scalar, got shape ",
-                                   ctx->input(0).shape().DebugString(), ".");
-  }
-  return LookupResource(ctx, HandleFromInput(ctx, 0), clock);
-}
-
-Status ReadWorker(OpKernelContext* ctx, int index, int64_t num_workers, int64_t* worker) {
-  TF_RETURN_IF_ERROR(ReadScalarInt64(ctx, index, "worker", worker));
-  if (*worker < 0 || *worker >= num_workers) {
-    return errors::InvalidArgument("worker must be in [0, num_workers=", num_workers, "), got ",
-                                   *worker, ".");
-  }
-  return ::tensorflow::OkStatus();
-}
-
-}  // namespace
-
 class WorkerClockCreateOp : public OpKernel {
  public:
   explicit WorkerClockCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -361,10 +337,10 @@ class WorkerClockWaitOp : public AsyncOpKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const int64_t start = MonoNs();
     ::tensorflow::core::RefCountPtr<WorkerClock> clock;
-    OP_REQUIRES_OK_ASYNC(ctx, LookupClock(ctx, &clock), done);
+    OP_REQUIRES_OK_ASYNC(ctx, LookupScalarHandle(ctx, 0, "worker clock", &clock), done);
     ClockState* state = clock->state();
     int64_t worker, bound, timeout_ms;
-    OP_REQUIRES_OK_ASYNC(ctx, ReadWorker(ctx, 1, state->num_workers(), &worker), done);
+    OP_REQUIRES_OK_ASYNC(ctx, ReadWorkerIndex(ctx, 1, state->num_workers(), &worker), done);
     OP_REQUIRES_OK_ASYNC(ctx, ReadScalarInt64(ctx, 2, "bound", &bound), done);
     OP_REQUIRES_OK_ASYNC(ctx, ReadScalarInt64(ctx, 3, "timeout_ms", &timeout_ms), done);
     OP_REQUIRES_ASYNC(ctx, bound >= 0,
@@ -394,9 +370,9 @@ class WorkerClockTickOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<WorkerClock> clock;
-    OP_REQUIRES_OK(ctx, LookupClock(ctx, &clock));
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "worker clock", &clock));
     int64_t worker;
-    OP_REQUIRES_OK(ctx, ReadWorker(ctx, 1, clock->state()->num_workers(), &worker));
+    OP_REQUIRES_OK(ctx, ReadWorkerIndex(ctx, 1, clock->state()->num_workers(), &worker));
     clock->state()->Tick(worker);
   }
 };
@@ -406,7 +382,7 @@ class WorkerClockStatsOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<WorkerClock> clock;
-    OP_REQUIRES_OK(ctx, LookupClock(ctx, &clock));
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "worker clock", &clock));
     std::vector<int64_t> vectors[4], waiting;
     int64_t max_lead;
     clock->state()->Stats(&vectors[0], &vectors[1], &vectors[2], &vectors[3], &max_lead,
@@ -428,7 +404,7 @@ class WorkerClockWaitingOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<WorkerClock> clock;
-    OP_REQUIRES_OK(ctx, LookupClock(ctx, &clock));
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "worker clock", &clock));
     std::vector<int64_t> unused[4], waiting;
     int64_t max_lead;
     clock->state()->Stats(&unused[0], &unused[1], &unused[2], &unused[3], &max_lead, &waiting);
@@ -444,7 +420,7 @@ class WorkerClockResetOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<WorkerClock> clock;
-    OP_REQUIRES_OK(ctx, LookupClock(ctx, &clock));
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "worker clock", &clock));
     clock->state()->Reset();
   }
 };
