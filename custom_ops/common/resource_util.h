@@ -50,6 +50,29 @@ inline Status ReadScalarInt64(::tensorflow::OpKernelContext* ctx, int index, con
   return ::tensorflow::OkStatus();
 }
 
+// Looks up the resource behind the scalar handle of input `index`; `what` names it in the error.
+template <typename R>
+Status LookupScalarHandle(::tensorflow::OpKernelContext* ctx, int index, const char* what,
+                          ::tensorflow::core::RefCountPtr<R>* resource) {
+  const ::tensorflow::Tensor& t = ctx->input(index);
+  if (!::tensorflow::TensorShapeUtils::IsScalar(t.shape())) {
+    return ::tensorflow::errors::InvalidArgument(
+        "The ", what, " handle must be a scalar, got shape ", t.shape().DebugString(), ".");
+  }
+  return ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, index), resource);
+}
+
+// Reads the scalar worker index of input `index` and checks it is in [0, num_workers).
+inline Status ReadWorkerIndex(::tensorflow::OpKernelContext* ctx, int index, int64_t num_workers,
+                              int64_t* worker) {
+  TF_RETURN_IF_ERROR(ReadScalarInt64(ctx, index, "worker", worker));
+  if (*worker < 0 || *worker >= num_workers) {
+    return ::tensorflow::errors::InvalidArgument("worker must be in [0, num_workers=", num_workers,
+                                                 "), got ", *worker, ".");
+  }
+  return ::tensorflow::OkStatus();
+}
+
 }  // namespace tf_gba
 
 #endif  // TF_GBA_CUSTOM_OPS_COMMON_RESOURCE_UTIL_H_

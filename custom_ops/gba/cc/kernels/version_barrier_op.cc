@@ -9,93 +9,53 @@
 // worker clock's is (worker_clock_op.cc): blocked waits must not hold the parameter server's
 // threads, which the reports that release them need.
 #include <algorithm>
-#include <chrono>
+#include <iterator>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "custom_ops/common/async_waiters.h"
 #include "custom_ops/common/kernel_util.h"
 #include "custom_ops/common/resource_util.h"
-#include "tensorflow/core/framework/cancellation.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/resource_mgr.h"
 
 namespace tf_gba {
 
-using ::tensorflow::AsyncOpKernel;
-using ::tensorflow::CancellationManager;
-using ::tensorflow::CancellationToken;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-namespace errors = ::tensorflow::errors;
-
 namespace {
 
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-struct BarrierWaiter {
-  OpKernelContext* ctx = nullptr;
-  AsyncOpKernel::DoneCallback done;
+// A blocked wait: the worker whose last pushed version it waits to see passed.
+struct BarrierWaiter : ParkedWait {
   int64_t worker = 0;
   int64_t start_ns = 0;
-  CancellationManager* cm = nullptr;
-  CancellationToken token = CancellationManager::kInvalidToken;
 };
 
-// A wait taken out under the lock and finished after it is released (`done` may run further ops
-// inline, which may come back to the barrier).
-struct BarrierRelease {
-  BarrierWaiter waiter;
-  Status status;
+// The outputs of a wait that returns: (version, skip, waited_ns).
+struct BarrierResult {
   int64_t version = 0;
   bool skip = false;
   int64_t waited_ns = 0;
-  bool skip_deregister = false;
+
+  Status Write(OpKernelContext* ctx) const {
+    Tensor *version_out, *skip_out, *waited;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({}), &version_out));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({}), &skip_out));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(2, TensorShape({}), &waited));
+    version_out->scalar<int64_t>()() = version;
+    skip_out->scalar<bool>()() = skip;
+    waited->scalar<int64_t>()() = waited_ns;
+    return ::tensorflow::OkStatus();
+  }
 };
 
-void FinishAll(std::vector<BarrierRelease>* releases) {
-  for (BarrierRelease& r : *releases) {
-    BarrierWaiter& w = r.waiter;
-    if (w.cm != nullptr && w.token != CancellationManager::kInvalidToken && !r.skip_deregister) {
-      w.cm->TryDeregisterCallback(w.token);
-    }
-    OpKernelContext* ctx = w.ctx;
-    if (r.status.ok()) {
-      Tensor *version, *skip, *waited;
-      Status s = ctx->allocate_output(0, TensorShape({}), &version);
-      if (s.ok()) s = ctx->allocate_output(1, TensorShape({}), &skip);
-      if (s.ok()) s = ctx->allocate_output(2, TensorShape({}), &waited);
-      if (s.ok()) {
-        version->scalar<int64_t>()() = r.version;
-        skip->scalar<bool>()() = r.skip;
-        waited->scalar<int64_t>()() = r.waited_ns;
-      } else {
-        ctx->SetStatus(s);
-      }
-    } else {
-      ctx->SetStatus(r.status);
-    }
-    AsyncOpKernel::DoneCallback done = std::move(w.done);
-    done();  // ctx may be gone after this
-  }
-  releases->clear();
-}
+using BarrierRelease = WaitRelease<BarrierWaiter, BarrierResult>;
 
 // Shared with the cancellation callbacks, which may outlive the resource.
 class BarrierState : public std::enable_shared_from_this<BarrierState> {
  public:
   BarrierState(int64_t num_workers, int64_t version)
-      : version_(version),
+      : num_workers_(num_workers),
+        version_(version),
         last_pushed_(num_workers, -1),
         gradients_(num_workers, 0),
         duplicates_(num_workers, 0),
@@ -103,42 +63,36 @@ class BarrierState : public std::enable_shared_from_this<BarrierState> {
         blocked_ns_(num_workers, 0),
         waiting_(num_workers, 0) {}
 
-  int64_t num_workers() const { return static_cast<int64_t>(last_pushed_.size()); }
+  int64_t num_workers() const { return num_workers_; }
 
-  void Wait(BarrierWaiter w) {
+  void Wait(BarrierWaiter w) TF_LOCKS_EXCLUDED(mu_) {
     std::vector<BarrierRelease> out;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      ::tensorflow::mutex_lock lock(mu_);
       if (shutdown_) {
         out.push_back(Fail(std::move(w), errors::Cancelled(kDestroyed), true));
       } else if (version_ > last_pushed_[w.worker]) {
-        out.push_back(Proceed(std::move(w), false, NowNs()));
+        out.push_back(Proceed(std::move(w), false, MonoNs()));
       } else {
         const uint64_t id = next_id_++;
-        bool cancelled = false;
-        if (w.cm != nullptr) {
-          // Under the lock, so a cancellation cannot slip in between the check and the parking.
-          w.token = w.cm->get_cancellation_token();
-          std::shared_ptr<BarrierState> self = shared_from_this();
-          cancelled = !w.cm->RegisterCallback(w.token, [self, id]() { self->Cancel(id); });
-        }
-        if (cancelled) {
-          out.push_back(Fail(std::move(w), errors::Cancelled(kCancelled), true));
-        } else {
+        std::shared_ptr<BarrierState> self = shared_from_this();
+        if (RegisterCancellation(&w, [self, id]() { self->Cancel(id); })) {
           ++waiting_[w.worker];
           waiters_.emplace(id, std::move(w));
+        } else {
+          out.push_back(Fail(std::move(w), errors::Cancelled(kCancelled), true));
         }
       }
     }
-    FinishAll(&out);
+    FinishReleases(&out);
   }
 
   int64_t Report(int64_t worker, int64_t version, bool pushed, int64_t completed,
-                 int64_t num_buffers) {
+                 int64_t num_buffers) TF_LOCKS_EXCLUDED(mu_) {
     std::vector<BarrierRelease> out;
     int64_t now_version;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      ::tensorflow::mutex_lock lock(mu_);
       if (pushed) {
         ++gradients_[worker];
         if (version <= last_pushed_[worker]) ++duplicates_[worker];
@@ -149,7 +103,7 @@ class BarrierState : public std::enable_shared_from_this<BarrierState> {
         if (completions_ >= num_buffers) {
           ++version_;
           completions_ = 0;
-          const int64_t now = NowNs();
+          const int64_t now = MonoNs();
           for (auto it = waiters_.begin(); it != waiters_.end();) {
             auto next = std::next(it);
             if (version_ > last_pushed_[it->second.worker]) {
@@ -161,26 +115,26 @@ class BarrierState : public std::enable_shared_from_this<BarrierState> {
       }
       now_version = version_;
     }
-    FinishAll(&out);
+    FinishReleases(&out);
     return now_version;
   }
 
-  void ReleaseAll() {
+  void ReleaseAll() TF_LOCKS_EXCLUDED(mu_) {
     std::vector<BarrierRelease> out;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      const int64_t now = NowNs();
+      ::tensorflow::mutex_lock lock(mu_);
+      const int64_t now = MonoNs();
       while (!waiters_.empty()) {
         BarrierWaiter w = Take(waiters_.begin());
         ++released_[w.worker];
         out.push_back(Proceed(std::move(w), true, now));
       }
     }
-    FinishAll(&out);
+    FinishReleases(&out);
   }
 
-  void Stats(int64_t* version, std::vector<int64_t> vectors[5]) {
-    std::lock_guard<std::mutex> lock(mu_);
+  void Stats(int64_t* version, std::vector<int64_t> vectors[5]) TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::mutex_lock lock(mu_);
     *version = version_;
     vectors[0] = gradients_;
     vectors[1] = duplicates_;
@@ -189,18 +143,15 @@ class BarrierState : public std::enable_shared_from_this<BarrierState> {
     vectors[4] = waiting_;
   }
 
-  void Shutdown() {
+  void Shutdown() TF_LOCKS_EXCLUDED(mu_) {
     std::vector<BarrierRelease> out;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      ::tensorflow::mutex_lock lock(mu_);
       shutdown_ = true;
-      for (auto& entry : waiters_) {
-        out.push_back(Fail(std::move(entry.second), errors::Cancelled(kDestroyed), false));
-      }
-      waiters_.clear();
+      FailAllParked(&waiters_, errors::Cancelled(kDestroyed), &out);
       std::fill(waiting_.begin(), waiting_.end(), 0);
     }
-    FinishAll(&out);
+    FinishReleases(&out);
   }
 
  private:
@@ -208,49 +159,57 @@ class BarrierState : public std::enable_shared_from_this<BarrierState> {
       "The version barrier was destroyed while this wait was blocked.";
   static constexpr const char* kCancelled = "Version barrier wait cancelled.";
 
-  BarrierRelease Proceed(BarrierWaiter w, bool skip, int64_t now) {  // requires mu_
+  // The bookkeeping of a wait that returns: let through, or let go by ReleaseAll (`skip`).
+  BarrierRelease Proceed(BarrierWaiter w, bool skip, int64_t now)
+      TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     BarrierRelease r;
-    r.version = version_;
-    r.skip = skip;
-    r.waited_ns = std::max<int64_t>(0, now - w.start_ns);
-    blocked_ns_[w.worker] += r.waited_ns;
+    r.result.version = version_;
+    r.result.skip = skip;
+    r.result.waited_ns = std::max<int64_t>(0, now - w.start_ns);
+    blocked_ns_[w.worker] += r.result.waited_ns;
     r.waiter = std::move(w);
     return r;
   }
 
+  // A wait that fails (cancelled, barrier destroyed): it counts in no statistic.
   static BarrierRelease Fail(BarrierWaiter w, Status status, bool skip_deregister) {
-    BarrierRelease r;
-    r.status = std::move(status);
-    r.skip_deregister = skip_deregister;
-    r.waiter = std::move(w);
-    return r;
+    return FailedRelease<BarrierRelease>(std::move(w), std::move(status), skip_deregister);
   }
 
-  BarrierWaiter Take(std::map<uint64_t, BarrierWaiter>::iterator it) {  // requires mu_
+  // Takes a blocked wait out of the barrier.
+  BarrierWaiter Take(std::map<uint64_t, BarrierWaiter>::iterator it)
+      TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     BarrierWaiter w = std::move(it->second);
     waiters_.erase(it);
     --waiting_[w.worker];
     return w;
   }
 
-  void Cancel(uint64_t id) {
+  void Cancel(uint64_t id) TF_LOCKS_EXCLUDED(mu_) {
     std::vector<BarrierRelease> out;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      ::tensorflow::mutex_lock lock(mu_);
       auto it = waiters_.find(id);
       if (it == waiters_.end()) return;
       out.push_back(Fail(Take(it), errors::Cancelled(kCancelled), true));
     }
-    FinishAll(&out);
+    FinishReleases(&out);
   }
 
-  std::mutex mu_;
-  int64_t version_;
-  int64_t completions_ = 0;  // buffers that completed the current version so far
-  std::vector<int64_t> last_pushed_, gradients_, duplicates_, released_, blocked_ns_, waiting_;
-  uint64_t next_id_ = 0;
-  std::map<uint64_t, BarrierWaiter> waiters_;
-  bool shutdown_ = false;
+  const int64_t num_workers_;
+  ::tensorflow::mutex mu_;
+  int64_t version_ TF_GUARDED_BY(mu_);
+  int64_t completions_ TF_GUARDED_BY(mu_) = 0;  // buffers that completed the current version
+  // Per worker.
+  std::vector<int64_t> last_pushed_ TF_GUARDED_BY(mu_);
+  std::vector<int64_t> gradients_ TF_GUARDED_BY(mu_);
+  std::vector<int64_t> duplicates_ TF_GUARDED_BY(mu_);
+  std::vector<int64_t> released_ TF_GUARDED_BY(mu_);
+  std::vector<int64_t> blocked_ns_ TF_GUARDED_BY(mu_);
+  std::vector<int64_t> waiting_ TF_GUARDED_BY(mu_);
+  uint64_t next_id_ TF_GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, BarrierWaiter> waiters_ TF_GUARDED_BY(mu_);
+  bool shutdown_ TF_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace
@@ -270,28 +229,6 @@ class VersionBarrier : public ::tensorflow::ResourceBase {
  private:
   std::shared_ptr<BarrierState> state_;
 };
-
-namespace {
-
-Status LookupBarrier(OpKernelContext* ctx,
-                     ::tensorflow::core::RefCountPtr<VersionBarrier>* barrier) {
-  if (!::tensorflow::TensorShapeUtils::IsScalar(ctx->input(0).shape())) {
-    return errors::InvalidArgument("The version barrier handle must be a scalar, got shape ",
-                                   ctx->input(0).shape().DebugString(), ".");
-  }
-  return LookupResource(ctx, HandleFromInput(ctx, 0), barrier);
-}
-
-Status ReadBarrierWorker(OpKernelContext* ctx, int64_t num_workers, int64_t* worker) {
-  TF_RETURN_IF_ERROR(ReadScalarInt64(ctx, 1, "worker", worker));
-  if (*worker < 0 || *worker >= num_workers) {
-    return errors::InvalidArgument("worker must be in [0, num_workers=", num_workers, "), got ",
-                                   *worker, ".");
-  }
-  return ::tensorflow::OkStatus();
-}
-
-}  // namespace
 
 class VersionBarrierCreateOp : public OpKernel {
  public:
@@ -322,12 +259,12 @@ class VersionBarrierWaitOp : public AsyncOpKernel {
  public:
   using AsyncOpKernel::AsyncOpKernel;
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    const int64_t start = NowNs();
+    const int64_t start = MonoNs();
     ::tensorflow::core::RefCountPtr<VersionBarrier> barrier;
-    OP_REQUIRES_OK_ASYNC(ctx, LookupBarrier(ctx, &barrier), done);
+    OP_REQUIRES_OK_ASYNC(ctx, LookupScalarHandle(ctx, 0, "version barrier", &barrier), done);
     BarrierState* state = barrier->state();
     int64_t worker;
-    OP_REQUIRES_OK_ASYNC(ctx, ReadBarrierWorker(ctx, state->num_workers(), &worker), done);
+    OP_REQUIRES_OK_ASYNC(ctx, ReadWorkerIndex(ctx, 1, state->num_workers(), &worker), done);
     BarrierWaiter w;
     w.ctx = ctx;
     w.done = std::move(done);
@@ -344,9 +281,9 @@ class VersionBarrierReportOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<VersionBarrier> barrier;
-    OP_REQUIRES_OK(ctx, LookupBarrier(ctx, &barrier));
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "version barrier", &barrier));
     int64_t worker, version, completed, num_buffers;
-    OP_REQUIRES_OK(ctx, ReadBarrierWorker(ctx, barrier->state()->num_workers(), &worker));
+    OP_REQUIRES_OK(ctx, ReadWorkerIndex(ctx, 1, barrier->state()->num_workers(), &worker));
     OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 2, "version", &version));
     const Tensor& pushed = ctx->input(3);
     OP_REQUIRES(ctx, ::tensorflow::TensorShapeUtils::IsScalar(pushed.shape()),
@@ -373,7 +310,7 @@ class VersionBarrierReleaseOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<VersionBarrier> barrier;
-    OP_REQUIRES_OK(ctx, LookupBarrier(ctx, &barrier));
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "version barrier", &barrier));
     barrier->state()->ReleaseAll();
   }
 };
@@ -383,7 +320,7 @@ class VersionBarrierStatsOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<VersionBarrier> barrier;
-    OP_REQUIRES_OK(ctx, LookupBarrier(ctx, &barrier));
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "version barrier", &barrier));
     int64_t version;
     std::vector<int64_t> vectors[5];
     barrier->state()->Stats(&version, vectors);

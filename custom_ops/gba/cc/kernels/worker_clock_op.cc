@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "custom_ops/common/async_waiters.h"
 #include "custom_ops/common/kernel_util.h"
 #include "custom_ops/common/resource_util.h"
 #include "custom_ops/common/worker_index.h"
@@ -28,63 +29,34 @@
 
 namespace tf_gba {
 
-using ::tensorflow::CancellationManager;
-using ::tensorflow::CancellationToken;
-
 namespace {
 
 constexpr int64_t kNoDeadline = std::numeric_limits<int64_t>::max();
 
-// A blocked wait: what it takes to finish its op later, from whichever thread releases it.
-struct Waiter {
-  OpKernelContext* ctx = nullptr;
-  AsyncOpKernel::DoneCallback done;
+// A blocked wait: what the clock's rule reads besides what every parked wait holds.
+struct Waiter : ParkedWait {
   int64_t worker = 0;
   int64_t bound = 0;
   int64_t start_ns = 0;
   int64_t deadline_ns = kNoDeadline;
-  CancellationManager* cm = nullptr;
-  CancellationToken token = CancellationManager::kInvalidToken;
 };
 
-// A wait taken out of the clock under its lock, finished (outputs written, `done` called) after
-// the lock is released: `done` may run further ops inline, which may come back to the clock.
-struct Release {
-  Waiter waiter;
-  Status status;  // OK: the op succeeds with (waited_ns, timed_out); else it fails with this
+// The outputs of a wait that returns: (waited_ns, timed_out).
+struct WaitResult {
   int64_t waited_ns = 0;
   bool timed_out = false;
-  // No cancellation callback to deregister: none was registered, or it is the one releasing the
-  // wait (deregistering from inside it would wait for itself).
-  bool skip_deregister = false;
+
+  Status Write(OpKernelContext* ctx) const {
+    Tensor *waited, *timed_out_out;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({}), &waited));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({}), &timed_out_out));
+    waited->scalar<int64_t>()() = waited_ns;
+    timed_out_out->scalar<bool>()() = timed_out;
+    return ::tensorflow::OkStatus();
+  }
 };
 
-void Finish(std::vector<Release>* releases) {
-  for (Release& r : *releases) {
-    Waiter& w = r.waiter;
-    if (w.cm != nullptr && w.token != CancellationManager::kInvalidToken && !r.skip_deregister) {
-      // Non-blocking: if the step is being cancelled right now, the callback finds the wait gone.
-      w.cm->TryDeregisterCallback(w.token);
-    }
-    OpKernelContext* ctx = w.ctx;
-    if (r.status.ok()) {
-      Tensor *waited, *timed_out;
-      Status s = ctx->allocate_output(0, TensorShape({}), &waited);
-      if (s.ok()) s = ctx->allocate_output(1, TensorShape({}), &timed_out);
-      if (s.ok()) {
-        waited->scalar<int64_t>()() = r.waited_ns;
-        timed_out->scalar<bool>()() = r.timed_out;
-      } else {
-        ctx->SetStatus(s);
-      }
-    } else {
-      ctx->SetStatus(r.status);
-    }
-    AsyncOpKernel::DoneCallback done = std::move(w.done);
-    done();  // ctx may be gone after this
-  }
-  releases->clear();
-}
+using Release = WaitRelease<Waiter, WaitResult>;
 
 // The clock's state and its waiters. Shared (not owned by the resource alone) because the timer
 // thread and the cancellation callbacks hold it too: the resource may be destroyed on the very
@@ -111,23 +83,15 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
         out.push_back(Proceed(std::move(w), MonoNs()));
       } else {
         const uint64_t id = next_id_++;
-        bool cancelled = false;
-        if (w.cm != nullptr) {
-          // Registered under the lock, so a cancellation cannot slip in between the check above
-          // and the parking below: its callback waits for the lock and then finds the wait. The
-          // manager runs callbacks without holding its own lock, so this order cannot deadlock.
-          w.token = w.cm->get_cancellation_token();
-          std::shared_ptr<ClockState> self = shared_from_this();
-          cancelled = !w.cm->RegisterCallback(w.token, [self, id]() { self->Cancel(id); });
-        }
-        if (cancelled) {
-          out.push_back(Fail(std::move(w), errors::Cancelled(kCancelled), true));
-        } else {
+        std::shared_ptr<ClockState> self = shared_from_this();
+        if (RegisterCancellation(&w, [self, id]() { self->Cancel(id); })) {
           Park(id, std::move(w));
+        } else {
+          out.push_back(Fail(std::move(w), errors::Cancelled(kCancelled), true));
         }
       }
     }
-    Finish(&out);
+    FinishReleases(&out);
   }
 
   void Tick(int64_t worker) TF_LOCKS_EXCLUDED(mu_) {
@@ -137,7 +101,7 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
       ++completed_[worker];
       ReleaseAllowed(&out);
     }
-    Finish(&out);
+    FinishReleases(&out);
   }
 
   void Reset() TF_LOCKS_EXCLUDED(mu_) {
@@ -151,7 +115,7 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
       max_lead_ = 0;
       ReleaseAllowed(&out);  // all workers are level: every wait may go (bounds are >= 0)
     }
-    Finish(&out);
+    FinishReleases(&out);
   }
 
   void Stats(std::vector<int64_t>* completed, std::vector<int64_t>* blocked_ns,
@@ -173,16 +137,13 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
     {
       ::tensorflow::mutex_lock lock(mu_);
       shutdown_ = true;
-      for (auto& entry : waiters_) {
-        out.push_back(Fail(std::move(entry.second), errors::Cancelled(kDestroyed), false));
-      }
-      waiters_.clear();
+      FailAllParked(&waiters_, errors::Cancelled(kDestroyed), &out);
       deadlines_.clear();
       std::fill(waiting_.begin(), waiting_.end(), 0);
       timer = std::move(timer_);
     }
     timer_cv_.notify_all();
-    Finish(&out);
+    FinishReleases(&out);
     if (timer.joinable()) {
       // The last reference may be dropped by an op that the timer thread's `done` ran inline:
       // it cannot join itself. It holds the state and exits on its own, having seen shutdown_.
@@ -210,8 +171,8 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
   // The bookkeeping of a wait that returns with its condition true.
   Release Proceed(Waiter w, int64_t now) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Release r;
-    r.waited_ns = std::max<int64_t>(0, now - w.start_ns);
-    blocked_ns_[w.worker] += r.waited_ns;
+    r.result.waited_ns = std::max<int64_t>(0, now - w.start_ns);
+    blocked_ns_[w.worker] += r.result.waited_ns;
     ++waits_[w.worker];
     max_lead_ = std::max(max_lead_, Lead(w.worker));
     r.waiter = std::move(w);
@@ -221,9 +182,9 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
   // The bookkeeping of a wait that gives up after its timeout.
   Release TimeOut(Waiter w, int64_t now) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Release r;
-    r.waited_ns = std::max<int64_t>(0, now - w.start_ns);
-    r.timed_out = true;
-    blocked_ns_[w.worker] += r.waited_ns;
+    r.result.waited_ns = std::max<int64_t>(0, now - w.start_ns);
+    r.result.timed_out = true;
+    blocked_ns_[w.worker] += r.result.waited_ns;
     ++waits_[w.worker];
     ++timeouts_[w.worker];
     r.waiter = std::move(w);
@@ -232,11 +193,7 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
 
   // A wait that fails (cancelled, clock destroyed): it counts in no statistic.
   static Release Fail(Waiter w, Status status, bool skip_deregister) {
-    Release r;
-    r.status = std::move(status);
-    r.skip_deregister = skip_deregister;
-    r.waiter = std::move(w);
-    return r;
+    return FailedRelease<Release>(std::move(w), std::move(status), skip_deregister);
   }
 
   void Park(uint64_t id, Waiter w) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -285,7 +242,7 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
       if (it == waiters_.end()) return;  // already released
       out.push_back(Fail(Take(it), errors::Cancelled(kCancelled), true));
     }
-    Finish(&out);
+    FinishReleases(&out);
   }
 
   // Releases waits whose timeout has passed; sleeps until the earliest deadline otherwise. The
@@ -312,7 +269,7 @@ class ClockState : public std::enable_shared_from_this<ClockState> {
         }
         if (out.empty()) return;  // shut down
       }
-      Finish(&out);
+      FinishReleases(&out);
     }
   }
 
@@ -353,27 +310,6 @@ class WorkerClock : public ::tensorflow::ResourceBase {
   std::shared_ptr<ClockState> state_;
 };
 
-namespace {
-
-Status LookupClock(OpKernelContext* ctx, ::tensorflow::core::RefCountPtr<WorkerClock>* clock) {
-  if (!::tensorflow::TensorShapeUtils::IsScalar(ctx->input(0).shape())) {
-    return errors::InvalidArgument("The worker clock handle must be a scalar, got shape ",
-                                   ctx->input(0).shape().DebugString(), ".");
-  }
-  return LookupResource(ctx, HandleFromInput(ctx, 0), clock);
-}
-
-Status ReadWorker(OpKernelContext* ctx, int index, int64_t num_workers, int64_t* worker) {
-  TF_RETURN_IF_ERROR(ReadScalarInt64(ctx, index, "worker", worker));
-  if (*worker < 0 || *worker >= num_workers) {
-    return errors::InvalidArgument("worker must be in [0, num_workers=", num_workers, "), got ",
-                                   *worker, ".");
-  }
-  return ::tensorflow::OkStatus();
-}
-
-}  // namespace
-
 class WorkerClockCreateOp : public OpKernel {
  public:
   explicit WorkerClockCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -401,10 +337,10 @@ class WorkerClockWaitOp : public AsyncOpKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const int64_t start = MonoNs();
     ::tensorflow::core::RefCountPtr<WorkerClock> clock;
-    OP_REQUIRES_OK_ASYNC(ctx, LookupClock(ctx, &clock), done);
+    OP_REQUIRES_OK_ASYNC(ctx, LookupScalarHandle(ctx, 0, "worker clock", &clock), done);
     ClockState* state = clock->state();
     int64_t worker, bound, timeout_ms;
-    OP_REQUIRES_OK_ASYNC(ctx, ReadWorker(ctx, 1, state->num_workers(), &worker), done);
+    OP_REQUIRES_OK_ASYNC(ctx, ReadWorkerIndex(ctx, 1, state->num_workers(), &worker), done);
     OP_REQUIRES_OK_ASYNC(ctx, ReadScalarInt64(ctx, 2, "bound", &bound), done);
     OP_REQUIRES_OK_ASYNC(ctx, ReadScalarInt64(ctx, 3, "timeout_ms", &timeout_ms), done);
     OP_REQUIRES_ASYNC(ctx, bound >= 0,
@@ -434,9 +370,9 @@ class WorkerClockTickOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<WorkerClock> clock;
-    OP_REQUIRES_OK(ctx, LookupClock(ctx, &clock));
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "worker clock", &clock));
     int64_t worker;
-    OP_REQUIRES_OK(ctx, ReadWorker(ctx, 1, clock->state()->num_workers(), &worker));
+    OP_REQUIRES_OK(ctx, ReadWorkerIndex(ctx, 1, clock->state()->num_workers(), &worker));
     clock->state()->Tick(worker);
   }
 };
@@ -446,7 +382,7 @@ class WorkerClockStatsOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<WorkerClock> clock;
-    OP_REQUIRES_OK(ctx, LookupClock(ctx, &clock));
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "worker clock", &clock));
     std::vector<int64_t> vectors[4], waiting;
     int64_t max_lead;
     clock->state()->Stats(&vectors[0], &vectors[1], &vectors[2], &vectors[3], &max_lead,
@@ -468,7 +404,7 @@ class WorkerClockWaitingOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<WorkerClock> clock;
-    OP_REQUIRES_OK(ctx, LookupClock(ctx, &clock));
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "worker clock", &clock));
     std::vector<int64_t> unused[4], waiting;
     int64_t max_lead;
     clock->state()->Stats(&unused[0], &unused[1], &unused[2], &unused[3], &max_lead, &waiting);
@@ -484,7 +420,7 @@ class WorkerClockResetOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<WorkerClock> clock;
-    OP_REQUIRES_OK(ctx, LookupClock(ctx, &clock));
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "worker clock", &clock));
     clock->state()->Reset();
   }
 };
