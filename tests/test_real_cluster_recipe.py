@@ -28,7 +28,7 @@ def _recipe() -> str:
 def test_readme_tf_config_recipe_trains(tmp_path):
   script = _recipe()
   hosts = sorted(set(re.findall(r"\b[ab]:\d+", script)))
-  assert hosts == ["a:2222", "a:2223", "b:2222", "b:2223"]
+  assert hosts == ["a:2222", "a:2223", "a:2224", "a:2225", "b:2222", "b:2223"]
   for host, port in zip(hosts, free_ports(len(hosts))):
     script = script.replace(host, f"127.0.0.1:{port}")
   script = script.replace(".venv/bin/python", sys.executable)
@@ -37,7 +37,7 @@ def test_readme_tf_config_recipe_trains(tmp_path):
            " --num_workers=2")
   chief = '\\"type\\": \\"chief\\"'  # as written in the TF_CONFIG of the chief's line
   lines = [l + small if chief in l else l for l in script.splitlines()]
-  assert sum(chief in l for l in lines) == 1 and sum(l.endswith("&") for l in lines) == 3
+  assert sum(chief in l for l in lines) == 1 and sum(l.endswith("&") for l in lines) == 5
   env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   # Output to files: the servers keep theirs open after bash (and the chief) are done.
   with open(tmp_path / "out", "w") as out_f, open(tmp_path / "err", "w") as err_f:

@@ -66,9 +66,11 @@ def _ports_of_servers(root_pid):
   ports = set()
   for pid in drills._descendants(root_pid):  # pylint: disable=protected-access
     cmd = drills._cmdline(pid)  # pylint: disable=protected-access
-    if "tf_gba.distribute.server" in cmd:
+    if "tf_gba.distribute.server" in cmd and "--cluster_spec " in cmd:
       spec = json.loads(cmd.split("--cluster_spec ", 1)[1].split(" --job_name", 1)[0])
       ports |= {int(a.rsplit(":", 1)[1]) for job in ("ps", "worker") for a in spec[job]}
+    elif "tf_gba.distribute.server" in cmd:  # a tf.data worker of the shared data list
+      ports.add(int(cmd.split("--port ", 1)[1].split()[0]))
   return sorted(ports)
 
 
@@ -85,7 +87,7 @@ def _probe_during_run(hosts, tmp_path, *flags):
         break
     assert proc.poll() is None, proc.stderr.read()[-3000:]
     ports = _ports_of_servers(proc.pid)
-    assert len(ports) == 3  # 1 PS + 2 workers
+    assert len(ports) == 5  # 1 PS + 2 workers + 2 tf.data workers
     return {port: hosts.connect_from_outside(port) for port in ports}, proc
   finally:
     drills._kill_tree(proc.pid)  # pylint: disable=protected-access

@@ -290,12 +290,19 @@ def test_sweep_reports_each_baseline_at_its_best_average_auc():
 
 def test_gba_on_its_own_cluster_shape():
   """Sync 4 workers x 256 (G = 1024); GBA with Ba = 128: M = 8 workers, twice the steps."""
-  args = switching.parse_args(["--num_workers=4", "--local_batch_size=256",
+  # Static shards: a day is a step count, which GBA's smaller batch doubles.
+  args = switching.parse_args(["--num_workers=4", "--local_batch_size=256", "--input=sharded",
                                "--gba_local_batch_size=128", "--modes=sync,gba,bsp"])
   protocol = switching.Protocol(data_options="num_days=3", num_days=3, base_days=[0],
                                 train_days=[1], eval_days=[2], next_day=True, train_rows=100,
                                 eval_examples=100, steps_per_day=32)
   from tf_gba.training import TrainConfig  # pylint: disable=g-import-not-at-top
+  shared = switching.run_config(
+      switching.parse_args(["--num_workers=4", "--local_batch_size=256", "--input=shared",
+                            "--gba_local_batch_size=128", "--modes=sync,gba"]),
+      protocol, "gba", 0, 1, 2, "/tmp/x")
+  # The shared data list: a day is one pass over its rows, whatever the local batch.
+  assert (shared["num_workers"], shared["local_batch_size"], shared["steps"]) == (8, 128, None)
   gba = switching.run_config(args, protocol, "gba", 0, 1, 2, "/tmp/x")
   assert (gba["num_workers"], gba["local_batch_size"], gba["global_batch_size"]) == (8, 128, 1024)
   assert gba["steps"] == 64 and gba["log_every"] == 16

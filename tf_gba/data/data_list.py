@@ -24,12 +24,23 @@ workers' steps and lose the batches their service clients had already fetched). 
 scheduling steps until every worker has seen the end, so every fetched batch is trained on.
 """
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
+import warnings
 
 import numpy as np
 import tensorflow as tf
 
 from tf_gba import data as data_lib
+
+# tf.data warns whenever a dataset's options are read while a graph is built, which the service
+# dataset does in every worker's dataset_fn; the options it reads are its own, so the warning
+# says nothing a user could act on.
+warnings.filterwarnings("ignore", message="To make it possible to preserve tf.data options",
+                        category=UserWarning)
+
+# Errors of reading a per-worker value while its worker is down (or being started again).
+_WORKER_DOWN = (tf.errors.CancelledError, tf.errors.UnavailableError, tf.errors.AbortedError,
+                tf.errors.NotFoundError)
 
 # The dispatcher forgets a tf.data worker that missed heartbeats for this long.
 DEFAULT_WORKER_TIMEOUT_MS = 5000
@@ -196,9 +207,31 @@ class DayCounters:
         self.batches.assign_add(tf.cast(has, tf.int64)),
         self.exhausted.assign(tf.maximum(self.exhausted.read_value(), 1 - has)))
 
+  @staticmethod
+  def _read_each(var) -> List[Optional[np.ndarray]]:
+    """Each worker's value of a per-worker variable; None for a worker that is down.
+
+    A worker that died and was started again gets its per-worker variables created afresh, so
+    its counts start again from zero.
+    """
+    try:
+      return [np.asarray(v) for v in var.read_all()]
+    except _WORKER_DOWN:
+      pass
+    out = []
+    for remote in var._per_worker_vars._values:  # pylint: disable=protected-access
+      try:
+        out.append(np.asarray(remote.get()))
+      except _WORKER_DOWN:
+        out.append(None)
+    return out
+
   def all_exhausted(self) -> bool:
-    """Whether every worker has seen the end of the list (read from the coordinator)."""
-    return all(int(x) for x in self.exhausted.read_all())
+    """Whether every worker has seen the end of the list (read from the coordinator).
+
+    A worker that is down has not: it is started again and goes on reading.
+    """
+    return all(x is not None and int(x) for x in self._read_each(self.exhausted))
 
   def report(self, batch_sizes: Optional[np.ndarray] = None, passes: int = 1) -> dict:
     """Per-worker batches and examples, and how the trained batches cover the list.
@@ -206,12 +239,18 @@ class DayCounters:
     `duplicates` counts trainings of a batch beyond `passes`, `missed` the batches trained fewer
     than `passes` times (in batches; `missed_examples` in rows when `batch_sizes` is given).
     """
-    seen = np.stack([np.asarray(v) for v in self.seen.read_all()]).astype(np.int64)
+    seen_each = self._read_each(self.seen)
+    unreadable = [i for i, v in enumerate(seen_each) if v is None]
+    seen = np.stack([np.zeros(self.num_batches, np.int64) if v is None else v
+                     for v in seen_each]).astype(np.int64)
     total = seen.sum(0)
+    as_ints = lambda values: [0 if v is None else int(v) for v in values]  # pylint: disable=unnecessary-lambda-assignment
     out = {
-        "per_worker_batches": [int(x) for x in self.batches.read_all()],
-        "per_worker_examples": [int(x) for x in self.examples.read_all()],
-        "exhausted": [int(x) for x in self.exhausted.read_all()],
+        "per_worker_batches": as_ints(self._read_each(self.batches)),
+        "per_worker_examples": as_ints(self._read_each(self.examples)),
+        "exhausted": as_ints(self._read_each(self.exhausted)),
+        # Workers whose counts could not be read at the end (down); their batches count as 0.
+        "unreadable_workers": unreadable,
         "listed_batches": self.num_batches * passes,
         "duplicates": int(np.maximum(total - passes, 0).sum()),
         "missed": int(np.maximum(passes - total, 0).sum()),

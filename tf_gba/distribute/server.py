@@ -47,6 +47,9 @@ def parse_args(argv):
                  help="tfdata_worker: host:port of the tf.data dispatcher.")
   p.add_argument("--host", default="127.0.0.1",
                  help="tfdata_worker: the address readers reach this worker at.")
+  p.add_argument("--address", default=None,
+                 help="tfdata_dispatcher / tfdata_worker: HOST:PORT to serve at (instead of "
+                      "--host and --port).")
   p.add_argument("--exit_with_parent", action="store_true",
                  help="exit when the launching process goes away")
   return p.parse_args(argv)
@@ -54,6 +57,12 @@ def parse_args(argv):
 
 def _serve_tfdata(args) -> int:
   """A tf.data service dispatcher or worker of the shared data list, until killed."""
+  if args.address:
+    host, sep, port = args.address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+      print(f"--address must be HOST:PORT, got {args.address!r}.", file=sys.stderr)
+      return 2
+    args.host, args.port = host, int(port)
   if args.port < 1:
     print(f"--port must be given for {args.job_name}.", file=sys.stderr)
     return 2
