@@ -159,6 +159,13 @@ def _check_finished(summary, mode, reference):
   assert abs(summary["eval_auc"] - reference["eval_auc"]) < 0.03, (summary["eval_auc"],
                                                                   reference["eval_auc"])
   assert summary["mode"] == mode
+  data_list = summary.get("data_list")
+  if data_list and summary["restarts"]:
+    # The resumed list went on from the checkpoint's data position: the batches trained before
+    # it and after it make up the requested steps, none trained more often than listed.
+    assert data_list["restored_batches"] > 0
+    assert data_list["restored_batches"] + data_list["batches"] == _STEPS
+    assert data_list["duplicates"] == 0
 
 
 @pytest.mark.parametrize("mode", ["gba", "async"])

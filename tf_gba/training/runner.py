@@ -92,8 +92,9 @@ class _Progress(keras.callbacks.Callback):
     elapsed = time.time() - self._t0
     stats = _optimizer_stats(job.optimizer)
     recovery.report(job.config.model_dir, stats["global_step"])
-    if job.shared_input is not None:
-      recovery.record_seen(job.config.model_dir, job.shared_input.seen_total())
+    seen = job.shared_input.seen_total() if job.shared_input is not None else None
+    if seen is not None:
+      recovery.record_seen(job.config.model_dir, seen)
     dense = stats["dense"] or {}
     loss = (logs or {}).get("loss", float("nan"))
     workers = job.strategy.worker_step_stats()
@@ -314,7 +315,11 @@ class _Job:
   def save_checkpoint(self) -> str:
     """Writes a checkpoint numbered by global step (atomic: see PeriodicCheckpoint)."""
     if self.shared_input is not None and getattr(self, "data_position", None) is not None:
-      self.data_position.seen.assign(self.shared_input.seen_total())
+      seen = self.shared_input.seen_total()
+      # Unreadable while a worker restarts: the position saved last stays, behind the model, so
+      # a resumption trains some batches again rather than skipping any.
+      if seen is not None:
+        self.data_position.seen.assign(seen)
     positions = self.strategy.worker_step_stats()
     if all(w["position_step"] is not None for w in positions):
       self.straggler_position.steps.assign([w["position_step"] for w in positions])

@@ -95,13 +95,17 @@ class SharedInput:
     trained the batches its client already holds) and the watchdog stops a stalled day."""
     return self.config.steps if not self.day_mode else 2**40
 
-  def seen_total(self) -> np.ndarray:
+  def seen_total(self) -> Optional[np.ndarray]:
     """Times each batch of the day was trained, by this run and the runs it resumes.
 
     Read where every scheduled step has finished (a fit epoch's end, after fit), it matches the
-    model: what a checkpoint written there stores as the data position.
+    model: what a checkpoint written there stores as the data position. None while a worker is
+    being restarted (its counters cannot be read then).
     """
-    seen = np.stack([np.asarray(v) for v in self.counters.seen.read_all()]).astype(np.int64)
+    try:
+      seen = np.stack([np.asarray(v) for v in self.counters.seen.read_all()]).astype(np.int64)
+    except tf.errors.OpError:
+      return None
     return self.restored_seen + seen.sum(0)
 
   def resume(self, seen: np.ndarray, last_recorded: Optional[np.ndarray] = None,
