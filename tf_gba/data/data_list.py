@@ -224,8 +224,15 @@ class DayCounters:
         self.exhausted.assign(tf.maximum(self.exhausted.read_value(), 1 - has)))
 
   def all_exhausted(self) -> bool:
-    """Whether every worker has seen the end of the list (read from the coordinator)."""
-    return all(int(x) for x in self.exhausted.read_all())
+    """Whether every worker has seen the end of the list (read from the coordinator).
+
+    False while a worker is being restarted (its counters cannot be read then): asked again at
+    the next epoch's end.
+    """
+    try:
+      return all(int(x) for x in self.exhausted.read_all())
+    except tf.errors.OpError:
+      return False
 
   def report(self, batch_sizes: Optional[np.ndarray] = None, passes: int = 1,
              restored: Optional[np.ndarray] = None) -> dict:
