@@ -135,6 +135,16 @@ def test_killed_coordinator_mid_day_resumes_the_days_list(tmp_path):
   # Within one checkpoint interval (40 worker steps) of batches.
   assert len(after_checkpoint) <= 40
   assert s["global_step"] == s["target_global_step"]
+  # The straggler position went on from the checkpoint's: each worker's steps of the rerun
+  # follow those the checkpoint had counted.
+  steps_before = _position(model_dir, s["start_global_step"], "straggler_position/steps")
+  steps_after = _position(model_dir, s["global_step"], "straggler_position/steps")
+  assert (steps_before > 0).all() and steps_before.sum() == before.sum()
+  np.testing.assert_array_equal(steps_after - steps_before,
+                                [w["steps"] for w in s["per_worker"]])
+  clock_before = _position(model_dir, s["start_global_step"], "straggler_position/elapsed_ns")
+  clock_after = _position(model_dir, s["global_step"], "straggler_position/elapsed_ns")
+  assert (clock_after > clock_before).all() and (clock_before > 0).all()
 
 
 def _run_steps(ops, profile, n):
@@ -169,13 +179,3 @@ def test_straggler_sequence_continues_from_the_position_set():
   assert (_run_steps(ops, trace, 3) <= 0.0105).all()
   with pytest.raises(tf.errors.InvalidArgumentError, match=">= 0"):
     ops.gba_set_step_position(tf.constant(-1, tf.int64), tf.constant(0, tf.int64))
-  # The straggler position went on from the checkpoint's: each worker's steps of the rerun
-  # follow those the checkpoint had counted.
-  steps_before = _position(model_dir, s["start_global_step"], "straggler_position/steps")
-  steps_after = _position(model_dir, s["global_step"], "straggler_position/steps")
-  assert (steps_before > 0).all() and steps_before.sum() == before.sum()
-  np.testing.assert_array_equal(steps_after - steps_before,
-                                [w["steps"] for w in s["per_worker"]])
-  clock_before = _position(model_dir, s["start_global_step"], "straggler_position/elapsed_ns")
-  clock_after = _position(model_dir, s["global_step"], "straggler_position/elapsed_ns")
-  assert (clock_after > clock_before).all() and (clock_before > 0).all()
