@@ -149,9 +149,12 @@ def _undisturbed(mode, tmp_path_factory):
   return _UNDISTURBED[mode]
 
 
-def _check_finished(summary, mode, reference):
+def _check_finished(summary, mode, reference, rerun_steps=0):
+  """`rerun_steps`: worker steps that may have run twice (see the killed-worker drill)."""
   m = summary["num_aggregate"]
-  assert summary["global_step"] == summary["target_global_step"] == _STEPS // m
+  assert summary["target_global_step"] == _STEPS // m
+  assert 0 <= summary["global_step"] - summary["target_global_step"] <= rerun_steps // m, (
+      summary["global_step"], summary["target_global_step"])
   # At most one checkpoint interval (in global steps) trained again.
   assert summary["steps_redone"] <= _CHECKPOINT_EVERY // m
   assert summary["batches_reread"] == summary["steps_redone"] * m
@@ -159,6 +162,13 @@ def _check_finished(summary, mode, reference):
   assert abs(summary["eval_auc"] - reference["eval_auc"]) < 0.03, (summary["eval_auc"],
                                                                   reference["eval_auc"])
   assert summary["mode"] == mode
+  data_list = summary.get("data_list")
+  if data_list and summary["restarts"]:
+    # The resumed list went on from the checkpoint's data position: the batches trained before
+    # it and after it make up the requested steps, none trained more often than listed.
+    assert data_list["restored_batches"] > 0
+    assert data_list["restored_batches"] + data_list["batches"] == _STEPS
+    assert data_list["duplicates"] == 0
 
 
 @pytest.mark.parametrize("mode", ["gba", "async"])
@@ -172,7 +182,11 @@ def test_killed_worker_is_restarted_and_the_run_goes_on(tmp_path, tmp_path_facto
   assert run.finish(deadline) == 0, "".join(run.err)[-3000:]
   summary = _summary(model_dir)
   assert summary["worker_restarts"] >= 1 and summary["restarts"] == 0
-  _check_finished(summary, mode, reference)
+  # ParameterServerStrategy runs the step a killed worker was running again on its restarted
+  # process: when the worker died after that step's push reached the parameter server, the
+  # push happens again, with the next batch of the list. So one worker step per restart may run
+  # twice (in async mode, where M = 1, that is one more global step).
+  _check_finished(summary, mode, reference, rerun_steps=summary["worker_restarts"])
 
 
 @pytest.mark.parametrize("mode", ["gba", "async"])

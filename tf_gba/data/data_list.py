@@ -96,8 +96,35 @@ class DataList:
     orders = [rng.permutation(self.num_batches) if seed is not None
               else np.arange(self.num_batches) for _ in range(self.passes)]
     self.batch_order = np.concatenate(orders).astype(np.int64)
+    self._rng = rng if seed is not None else None
     self._features = features
     self._labels = labels.astype(np.float32)
+
+  def skip_trained(self, seen: np.ndarray, min_entries: int = 0) -> int:
+    """Drops from the list what `seen[b]` (times batch b was trained) says is done; returns how
+    many entries were dropped.
+
+    Pass k of the list keeps batch b only if it was trained at most k times: a resumed run takes
+    up the list at the pass and position it had reached, as far as per-batch counts can tell
+    (within a pass the list's order is not kept as a position: any untrained batch of the pass,
+    e.g. one a worker had fetched but not trained when its run died, is listed again). Further
+    seeded passes are appended while the list has fewer than `min_entries` entries.
+    """
+    seen = np.asarray(seen, np.int64)
+    if seen.shape != (self.num_batches,):
+      raise ValueError(f"seen has shape {seen.shape}, the list has {self.num_batches} batches.")
+    orders = self.batch_order.reshape(self.passes, self.num_batches)
+    kept = [order[seen[order] <= k] for k, order in enumerate(orders)]
+    before = len(self.batch_order)
+    order = np.concatenate(kept).astype(np.int64)
+    dropped = before - len(order)
+    while len(order) < min_entries:
+      extra = (self._rng.permutation(self.num_batches) if self._rng is not None
+               else np.arange(self.num_batches))
+      order = np.concatenate([order, extra.astype(np.int64)])
+      self.passes += 1
+    self.batch_order = order
+    return dropped
 
   def rows_of(self, batch_id: int) -> np.ndarray:
     """Row indices (into the day's rows) of batch `batch_id`."""
@@ -229,21 +256,25 @@ class DayCounters:
   def all_exhausted(self) -> bool:
     """Whether every worker has seen the end of the list (read from the coordinator).
 
-    A worker that is down has not: it is started again and goes on reading.
+    A worker that is down (being started again) has not: asked again at the next epoch's end.
     """
     return all(x is not None and int(x) for x in self._read_each(self.exhausted))
 
-  def report(self, batch_sizes: Optional[np.ndarray] = None, passes: int = 1) -> dict:
+  def report(self, batch_sizes: Optional[np.ndarray] = None, passes: int = 1,
+             restored: Optional[np.ndarray] = None) -> dict:
     """Per-worker batches and examples, and how the trained batches cover the list.
 
     `duplicates` counts trainings of a batch beyond `passes`, `missed` the batches trained fewer
     than `passes` times (in batches; `missed_examples` in rows when `batch_sizes` is given).
+    `restored`: per-batch trainings before this run (a resumed run), counted in the coverage.
     """
     seen_each = self._read_each(self.seen)
     unreadable = [i for i, v in enumerate(seen_each) if v is None]
     seen = np.stack([np.zeros(self.num_batches, np.int64) if v is None else v
                      for v in seen_each]).astype(np.int64)
     total = seen.sum(0)
+    if restored is not None:
+      total = total + np.asarray(restored, np.int64)
     as_ints = lambda values: [0 if v is None else int(v) for v in values]  # pylint: disable=unnecessary-lambda-assignment
     out = {
         "per_worker_batches": as_ints(self._read_each(self.batches)),

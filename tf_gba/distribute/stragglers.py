@@ -118,17 +118,30 @@ def worker_step_stats(num_workers: int) -> List[dict]:
   for i in range(num_workers):
     try:
       with tf.device(WORKER_DEVICE.format(i)):
-        steps, busy, delay, first = [int(x) for x in _ops().gba_worker_step_stats().numpy()]
+        stats = [int(x) for x in _ops().gba_worker_step_stats().numpy()]
+        steps, busy, delay, first = stats[:4]
     except tf.errors.OpError:
       # A worker restarted after its process died is not a device of this eager context any
       # more (the training closures reach it through the coordinator), and the dead process's
       # counters are gone with it: zeros, marked.
       out.append({"worker": i, "steps": 0, "busy_seconds": 0.0, "delay_seconds": 0.0,
-                  "first_step_unix": 0.0, "unreachable": True})
+                  "first_step_unix": 0.0, "unreachable": True, "position_step": None,
+                  "position_elapsed_ns": None})
       continue
     out.append({"worker": i, "steps": steps, "busy_seconds": busy * 1e-9,
-                "delay_seconds": delay * 1e-9, "first_step_unix": first * 1e-9})
+                "delay_seconds": delay * 1e-9, "first_step_unix": first * 1e-9,
+                # Where the worker is in its straggler sequence (resumptions included).
+                "position_step": stats[4], "position_elapsed_ns": stats[5]})
   return out
+
+
+def set_positions(steps, elapsed_ns) -> None:
+  """Sets each worker's straggler position (from the coordinator, eagerly): worker i's next step
+  draws as step steps[i], and its trace clock reads elapsed_ns[i] (a resumed run's checkpoint)."""
+  for i, (step, elapsed) in enumerate(zip(steps, elapsed_ns)):
+    with tf.device(WORKER_DEVICE.format(i)):
+      _ops().gba_set_step_position(tf.constant(int(step), tf.int64),
+                                   tf.constant(int(elapsed), tf.int64))
 
 
 def slowdown_factors(workers, steps, elapsed_seconds, profile: str, seed: int):

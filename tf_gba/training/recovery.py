@@ -16,10 +16,14 @@ import json
 import os
 from typing import Optional
 
+import numpy as np
+
 # Exit code of a run that lost a parameter server: the job can go on from its last checkpoint
 # (EX_TEMPFAIL: try again).
 EXIT_RESTART = 75
 PROGRESS_FILE = "tf_gba_progress.json"
+# Per-batch trainings of the shared data list at the last progress line (see `record_seen`).
+SEEN_FILE = "tf_gba_progress_seen.npy"
 
 
 class ParameterServerLost(RuntimeError):
@@ -68,11 +72,26 @@ def begin(model_dir: str, mode: str, steps: int, start_global_step: int,
                         int(prev.get("steps_redone", 0)) + redone, resumed=True)
   else:
     progress = Progress(target_if_new, start_global_step)
+    # A new run: the last run's record of trained batches is not this run's.
+    try:
+      os.remove(os.path.join(model_dir, SEEN_FILE))
+    except OSError:
+      pass
   _write(model_dir, {"mode": mode, "steps": steps, "target_global_step":
                      progress.target_global_step, "global_step": start_global_step,
                      "restarts": progress.restarts, "steps_redone": progress.steps_redone,
-                     "finished": False})
+                     "finished": False,
+                     "batches_reread": int(prev.get("batches_reread", 0))
+                                       if progress.resumed else 0})
   return progress
+
+
+def add_batches_reread(model_dir: str, batches: int) -> int:
+  """Adds a resumption's re-read batches to the run's record; returns the run's total."""
+  record = read(model_dir) or {}
+  record["batches_reread"] = int(record.get("batches_reread", 0)) + int(batches)
+  _write(model_dir, record)
+  return record["batches_reread"]
 
 
 def report(model_dir: str, global_step: int, finished: bool = False) -> None:
@@ -83,3 +102,24 @@ def report(model_dir: str, global_step: int, finished: bool = False) -> None:
   record["global_step"] = int(global_step)
   record["finished"] = bool(finished)
   _write(model_dir, record)
+
+
+def record_seen(model_dir: str, seen: np.ndarray) -> None:
+  """Records the shared list's per-batch trainings at a progress line (every step finished).
+
+  Not the data position (that is in the checkpoint, consistent with the model): what a run that
+  dies later had trained at least, so that its resumption counts the batches it trains again
+  from their ids. Written, then renamed, like the progress record.
+  """
+  path = os.path.join(model_dir, SEEN_FILE)
+  tmp = path + ".tmp.npy"
+  np.save(tmp, np.asarray(seen, np.int64))
+  os.replace(tmp, path)
+
+
+def read_seen(model_dir: str) -> Optional[np.ndarray]:
+  """The counts `record_seen` wrote last, or None."""
+  try:
+    return np.load(os.path.join(model_dir, SEEN_FILE))
+  except (OSError, ValueError):
+    return None

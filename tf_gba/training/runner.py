@@ -23,6 +23,7 @@ from tf_gba import data as data_lib
 from tf_gba import models as models_lib
 from tf_gba.distribute import GBAStrategy
 from tf_gba.distribute import LocalCluster
+from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.ops import worker_clock
 from tf_gba.optimizers import GBA
 from tf_gba.training import metrics
@@ -91,6 +92,9 @@ class _Progress(keras.callbacks.Callback):
     elapsed = time.time() - self._t0
     stats = _optimizer_stats(job.optimizer)
     recovery.report(job.config.model_dir, stats["global_step"])
+    seen = job.shared_input.seen_total() if job.shared_input is not None else None
+    if seen is not None:
+      recovery.record_seen(job.config.model_dir, seen)
     dense = stats["dense"] or {}
     loss = (logs or {}).get("loss", float("nan"))
     workers = job.strategy.worker_step_stats()
@@ -220,6 +224,7 @@ class _Job:
           config.model_dir, lambda path: self._restore(strategy, path), _log)
     except resharding.CheckpointMismatchError as e:
       raise preflight.InputError(preflight.restore_mismatch_message(config, e)) from None
+    self.straggler_position = self._track_straggler_position(strategy)
     self.writer = tf.summary.create_file_writer(os.path.join(config.model_dir, "tensorboard"))
     self._eval_model = None
     self._eval_data = None
@@ -246,8 +251,80 @@ class _Job:
       donor.build(self.model.trainable_variables)
     resharding.restore_training_state(path, self.model, donor)
 
+  def _track_straggler_position(self, strategy):
+    """Each worker's straggler position in the checkpoint; restored onto the workers.
+
+    Transient draws hash (seed, worker, step) with a per-process step count, and a trace runs on
+    a per-process clock: without this a resumed run would replay each worker's sequence from its
+    start. In the checkpoint, as the data position (see track_data_position).
+    """
+    n = strategy.num_workers
+    position = tf.Module(name="straggler_position")
+    position.steps = tf.Variable(tf.zeros([n], tf.int64), trainable=False, name="steps")
+    position.elapsed_ns = tf.Variable(tf.zeros([n], tf.int64), trainable=False,
+                                      name="elapsed_ns")
+    self.checkpoint.straggler_position = position
+    if self.restored_from:
+      reader = tf.train.load_checkpoint(self.restored_from)
+      shapes = reader.get_variable_to_shape_map()
+      keys = [f"straggler_position/{name}/.ATTRIBUTES/VARIABLE_VALUE"
+              for name in ("steps", "elapsed_ns")]
+      if all(shapes.get(k) == [n] for k in keys):
+        steps, elapsed = (reader.get_tensor(k) for k in keys)
+        stragglers_lib.set_positions(steps, elapsed)
+        position.steps.assign(steps)
+        position.elapsed_ns.assign(elapsed)
+      # Another worker count: worker i of this run is not worker i of that one; start afresh.
+    return position
+
+  def track_data_position(self, shared) -> None:
+    """Puts the shared list's data position in the checkpoint, next to the model.
+
+    In the checkpoint itself rather than in a file beside it: the position is then written in the
+    same atomic write as the parameters it belongs to, numbered with them, and the checkpoint
+    chosen on restore (the newest readable one) brings its own position. Variables of this
+    process (the coordinator), outside the strategy: the parameter servers never see them.
+    """
+    position = tf.Module(name="data_position")
+    position.seen = tf.Variable(tf.zeros([shared.num_batches], tf.int64), trainable=False,
+                                name="seen")
+    position.day = tf.Variable(-1 if self.config.day is None else int(self.config.day),
+                               dtype=tf.int64, trainable=False, name="day")
+    self.data_position = position
+    self.checkpoint.data_position = position
+
+  def restored_data_position(self, shared) -> Optional[np.ndarray]:
+    """Per-batch trainings stored in the checkpoint restored, or None (none, or another list)."""
+    if not self.restored_from:
+      return None
+    reader = tf.train.load_checkpoint(self.restored_from)
+    keys = reader.get_variable_to_shape_map()
+    seen_key = "data_position/seen/.ATTRIBUTES/VARIABLE_VALUE"
+    day_key = "data_position/day/.ATTRIBUTES/VARIABLE_VALUE"
+    if seen_key not in keys or day_key not in keys:
+      return None
+    seen = reader.get_tensor(seen_key)
+    day = int(reader.get_tensor(day_key))
+    if seen.shape != (shared.num_batches,) or day != (-1 if self.config.day is None
+                                                      else self.config.day):
+      _log(f"tf_gba: the data position in {self.restored_from} is of another list (day {day}, "
+           f"{seen.shape[0]} batches); this run's list starts from its beginning")
+      return None
+    return seen.astype(np.int64)
+
   def save_checkpoint(self) -> str:
     """Writes a checkpoint numbered by global step (atomic: see PeriodicCheckpoint)."""
+    if self.shared_input is not None and getattr(self, "data_position", None) is not None:
+      seen = self.shared_input.seen_total()
+      # Unreadable while a worker restarts: the position saved last stays, behind the model, so
+      # a resumption trains some batches again rather than skipping any.
+      if seen is not None:
+        self.data_position.seen.assign(seen)
+    positions = self.strategy.worker_step_stats()
+    if all(w["position_step"] is not None for w in positions):
+      self.straggler_position.steps.assign([w["position_step"] for w in positions])
+      self.straggler_position.elapsed_ns.assign([w["position_elapsed_ns"] for w in positions])
+    # (A worker restarted mid-run is unreachable here: the position saved last is kept.)
     step = int(self.optimizer.iterations.numpy())
     latest = self.manager.latest_checkpoint
     if latest and latest.endswith(f"-{step}"):
@@ -330,6 +407,7 @@ def run(config: TrainConfig) -> dict:
                                         job.data_kwargs)
       shared.install_train_function(job.model)
       job.shared_input = shared
+      job.track_data_position(shared)
     start_step = int(job.optimizer.iterations.numpy())
     _log(f"tf_gba: mode={config.mode} model={config.model} data={config.data} "
          f"ps={strategy.num_ps} workers={strategy.num_workers} M={config.num_aggregate} "
@@ -348,10 +426,17 @@ def run(config: TrainConfig) -> dict:
       resume = recovery.begin(config.model_dir, config.mode, None, start_step,
                               target_if_new=start_step + math.ceil(shared.num_batches / m))
       if resume.resumed:
-        # The list's read position is not in the checkpoint: the day is read again from its
-        # start, on top of the parameters of the last checkpoint.
+        # The checkpoint's data position: the day goes on with the batches it had not trained.
+        position = job.restored_data_position(shared)
+        last = recovery.read_seen(config.model_dir)
+        shared.resume(position if position is not None
+                      else np.zeros([shared.num_batches], np.int64),
+                      last_recorded=last if last is not None and
+                      last.shape == (shared.num_batches,) else None)
         _log(f"tf_gba: resuming an interrupted day (restart {resume.restarts}) from global step "
-             f"{start_step}: the day's data list is read again from its start")
+             f"{start_step}: {len(shared.list.batch_order)} of the day's {shared.num_batches} "
+             f"batches left to train ({shared.batches_reread} trained after the checkpoint are "
+             "trained again)")
       epochs = math.ceil(shared.max_steps / epoch_steps(config))
     else:
       run_steps = math.ceil(config.steps / epoch_steps(config)) * epoch_steps(config)
@@ -365,8 +450,19 @@ def run(config: TrainConfig) -> dict:
         job.config = config = dataclasses.replace(config, steps=max(left, 1))
         if shared is not None:
           shared.config = config
+          # The list taken up at the pass and position of the checkpoint (see
+          # DataList.skip_trained), with passes added if the steps left need them.
+          position = job.restored_data_position(shared)
+          if position is not None:
+            last = recovery.read_seen(config.model_dir)
+            shared.resume(position, last_recorded=last if last is not None and
+                          last.shape == position.shape else None, min_entries=left)
       epochs = math.ceil(config.steps / epoch_steps(config)) if not (
           resume.resumed and resume.target_global_step <= start_step) else 0
+    batches_reread = None
+    if shared is not None and shared.batches_reread is not None:
+      # Recorded now: a resumption that fails in turn still counts what it re-read.
+      batches_reread = recovery.add_batches_reread(config.model_dir, shared.batches_reread)
     progress = _Progress(job)
     callbacks = [progress]
     periodic = None
@@ -421,8 +517,11 @@ def run(config: TrainConfig) -> dict:
     summary.update({
         "target_global_step": resume.target_global_step, "restarts": resume.restarts,
         "steps_redone": resume.steps_redone,
-        # Worker batches computed again: those of the global steps redone.
-        "batches_reread": resume.steps_redone * m,
+        # Worker batches computed again: with the shared list counted from the batch ids (since
+        # the last progress line of the failed run, as steps_redone); otherwise those of the
+        # global steps redone.
+        "batches_reread": (batches_reread if batches_reread is not None
+                           else resume.steps_redone * m),
         "worker_restarts": cluster.restarts["worker"] if cluster is not None else 0})
     with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)

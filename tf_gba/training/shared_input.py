@@ -24,6 +24,7 @@ import time
 import uuid
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
@@ -68,6 +69,10 @@ class SharedInput:
     self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     with strategy.scope():
       self.counters = data_list_lib.DayCounters(self.list.num_batches)
+    # Times each batch was trained before this run started (restored with the checkpoint of a
+    # resumed run, see `resume`); the counters above count this run's trainings only.
+    self.restored_seen = np.zeros([self.list.num_batches], np.int64)
+    self.batches_reread: Optional[int] = None
     self.stalled: Optional[str] = None
     self.flushed_gradients = 0
     self._last_progress = time.time()
@@ -80,8 +85,8 @@ class SharedInput:
 
   @property
   def total_steps(self) -> int:
-    """Steps the run expects to train: the fixed count, or one per batch of the day."""
-    return self.num_batches if self.day_mode else self.config.steps
+    """Steps the run expects to train: the fixed count, or one per batch of the day left."""
+    return len(self.list.batch_order) if self.day_mode else self.config.steps
 
   @property
   def max_steps(self) -> int:
@@ -89,6 +94,35 @@ class SharedInput:
     callback stops fit once every worker has seen the end of the list (after the slowest one has
     trained the batches its client already holds) and the watchdog stops a stalled day."""
     return self.config.steps if not self.day_mode else 2**40
+
+  def seen_total(self) -> Optional[np.ndarray]:
+    """Times each batch of the day was trained, by this run and the runs it resumes.
+
+    Read where every scheduled step has finished (a fit epoch's end, after fit), it matches the
+    model: what a checkpoint written there stores as the data position. None while a worker is
+    being restarted (its counters cannot be read then).
+    """
+    try:
+      seen = np.stack([np.asarray(v) for v in self.counters.seen.read_all()]).astype(np.int64)
+    except tf.errors.OpError:
+      return None
+    return self.restored_seen + seen.sum(0)
+
+  def resume(self, seen: np.ndarray, last_recorded: Optional[np.ndarray] = None,
+             min_entries: int = 0) -> int:
+    """Takes up the list after a failure: `seen` is the data position of the checkpoint restored.
+
+    Batches it counts as trained are not listed again (see `DataList.skip_trained`); in day mode
+    what is left is exactly the day's batches not in the checkpoint. `last_recorded`: the counts
+    the failed run recorded last (at its last progress line); the batches it trained beyond the
+    checkpoint are trained again, and counted as `batches_reread`. Call before `fit`.
+    """
+    seen = np.asarray(seen, np.int64)
+    dropped = self.list.skip_trained(seen, min_entries=min_entries)
+    self.restored_seen = seen
+    if last_recorded is not None:
+      self.batches_reread = int(np.maximum(np.asarray(last_recorded, np.int64) - seen, 0).sum())
+    return dropped
 
   def dataset_fn(self, ctx=None):
     del ctx  # every worker reads the same job: the service, not the input context, splits
@@ -225,11 +259,17 @@ class SharedInput:
     return missing
 
   def report(self) -> dict:
-    out = self.counters.report(self.list.batch_sizes(), passes=self.list.passes)
+    out = self.counters.report(self.list.batch_sizes(), passes=self.list.passes,
+                               restored=self.restored_seen)
     out.update({"input": "shared", "day_mode": self.day_mode, "rows": self.list.num_rows,
                 "num_batches": self.list.num_batches, "passes": self.list.passes,
                 "job_name": self.job_name, "stalled": self.stalled,
-                "flushed_zero_gradients": self.flushed_gradients})
+                "flushed_zero_gradients": self.flushed_gradients,
+                # Trained before this run (the checkpoint resumed from), and trained again here
+                # after a failure: counted from the batch ids (None: not a resumed run).
+                "restored_batches": int(self.restored_seen.sum()),
+                "batches_reread": self.batches_reread})
+    out["lost"] = out["missed"] if self.day_mode else None
     if not self.day_mode:
       # A fixed step count stops wherever it stops: the unread rest of the list is not "missed".
       out["missed"] = None

@@ -84,7 +84,7 @@ def _digest(variables) -> str:
 def _step_stats() -> Dict[str, float]:
   """This process's straggler counters: steps, busy and injected-delay seconds."""
   # The op reads the counters of the process it runs in; eagerly that is this worker's own.
-  steps, busy, delay, _ = [int(x) for x in stragglers_lib._ops().gba_worker_step_stats().numpy()]  # pylint: disable=protected-access
+  steps, busy, delay, _ = [int(x) for x in stragglers_lib._ops().gba_worker_step_stats().numpy()[:4]]  # pylint: disable=protected-access
   return {"steps": steps, "busy_seconds": busy * 1e-9, "delay_seconds": delay * 1e-9}
 
 

@@ -24,6 +24,17 @@ std::atomic<int64_t> g_busy_ns{0};
 std::atomic<int64_t> g_delay_ns{0};
 std::atomic<int64_t> g_first_unix_ns{0};
 std::atomic<int64_t> g_first_mono_ns{0};
+// The worker's position in its straggler sequence is g_steps + g_step_offset, and in a trace
+// profile's time g_elapsed_offset_ns + (now - first step): a resumed run sets the offsets
+// (GBA>SetStepPosition) so that each worker's draws and trace go on where the checkpoint was.
+std::atomic<int64_t> g_step_offset{0};
+std::atomic<int64_t> g_elapsed_offset_ns{0};
+
+// Nanoseconds of profile time elapsed at `now` (the trace's clock).
+int64_t ElapsedNs(int64_t now) {
+  const int64_t first = g_first_mono_ns.load();
+  return g_elapsed_offset_ns.load() + (first == 0 ? 0 : now - first);
+}
 
 int64_t UnixNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -60,8 +71,8 @@ class StepEndOp : public OpKernel {
     const int64_t start = ctx->input(0).scalar<int64_t>()();
     const int64_t now = MonoNs();
     const int64_t busy = std::max<int64_t>(0, now - start);
-    const int64_t step = g_steps.fetch_add(1);
-    const double elapsed_s = (start - g_first_mono_ns.load()) * 1e-9;
+    const int64_t step = g_steps.fetch_add(1) + g_step_offset.load();
+    const double elapsed_s = ElapsedNs(start) * 1e-9;
     const double factor = profile_.Factor(seed_, step, elapsed_s);
     // compute:<ms> pads the step to the compute time of a machine of its own, then the slowdown
     // stretches that: delay = (floor - busy) + (factor - 1) * floor.
@@ -87,17 +98,39 @@ class WorkerStepStatsOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     Tensor* out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({4}), &out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({6}), &out));
     auto v = out->vec<int64_t>();
     v(0) = g_steps.load();
     v(1) = g_busy_ns.load();
     v(2) = g_delay_ns.load();
     v(3) = g_first_unix_ns.load();
+    v(4) = g_steps.load() + g_step_offset.load();
+    v(5) = ElapsedNs(MonoNs());
+  }
+};
+
+class SetStepPositionOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    const int64_t step = ctx->input(0).scalar<int64_t>()();
+    const int64_t elapsed_ns = ctx->input(1).scalar<int64_t>()();
+    OP_REQUIRES(ctx, step >= 0 && elapsed_ns >= 0,
+                ::tensorflow::errors::InvalidArgument(
+                    "GBA>SetStepPosition: step and elapsed_ns must be >= 0, got ", step, " and ",
+                    elapsed_ns));
+    // Offsets against this process's own count and clock: the next step is `step`, and the
+    // profile's clock reads `elapsed_ns` now.
+    g_step_offset = step - g_steps.load();
+    const int64_t first = g_first_mono_ns.load();
+    g_elapsed_offset_ns = elapsed_ns - (first == 0 ? 0 : MonoNs() - first);
   }
 };
 
 REGISTER_KERNEL_BUILDER(Name("GBA>StepBegin").Device(::tensorflow::DEVICE_CPU), StepBeginOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>StepEnd").Device(::tensorflow::DEVICE_CPU), StepEndOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>SetStepPosition").Device(::tensorflow::DEVICE_CPU),
+                        SetStepPositionOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>WorkerStepStats").Device(::tensorflow::DEVICE_CPU),
                         WorkerStepStatsOp);
 

@@ -266,10 +266,22 @@ REGISTER_OP("GBA>WorkerStepStats")
     .Output("stats: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(4));
+      c->set_output(0, c->Vector(6));
       return ::tensorflow::OkStatus();
     })
-    .Doc("[steps, busy_ns, delay_ns, first_step_unix_ns] of this worker process.");
+    .Doc("[steps, busy_ns, delay_ns, first_step_unix_ns, straggler step position, straggler "
+         "profile elapsed ns] of this worker process.");
+
+REGISTER_OP("GBA>SetStepPosition")
+    .Input("step: int64")
+    .Input("elapsed_ns: int64")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::NoOutputs)
+    .Doc(R"doc(
+Sets this worker process's position in its straggler profile: its next step draws as step `step`
+(transient draws hash (seed, worker, step)), and a trace profile's clock reads `elapsed_ns` now.
+A resumed run sets what the checkpoint recorded, so each worker's sequence goes on.
+)doc");
 
 REGISTER_OP("GBA>StragglerFactors")
     .Input("workers: int64")
