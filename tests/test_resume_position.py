@@ -162,6 +162,17 @@ def test_straggler_sequence_continues_from_the_position_set():
   ops = stragglers._ops()  # pylint: disable=protected-access
   # A 10 ms compute floor: a step at factor 1 is delayed at most 10 ms, at factor 3 at least 20.
   profile = stragglers.parse("compute:10+transient:0.5:3")
+  # The position is process-wide: put it back afterwards for the tests that run after this one.
+  before = ops.gba_worker_step_stats().numpy()
+  try:
+    _check_positions(ops, profile, stragglers)
+  finally:
+    ops.gba_set_step_position(tf.constant(int(before[4]), tf.int64),
+                              tf.constant(int(before[5]), tf.int64))
+
+
+def _check_positions(ops, profile, stragglers):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   ops.gba_set_step_position(tf.constant(1000, tf.int64), tf.constant(0, tf.int64))
   delays = _run_steps(ops, profile, 24)
   factors, floor = stragglers.slowdown_factors([0] * 24, list(range(1000, 1024)), [0.0] * 24,

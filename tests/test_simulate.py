@@ -380,7 +380,9 @@ def test_factors_are_those_step_end_sleeps():
   profile = stragglers.parse(f"compute:{floor_s * 1000:g}+transient:0.5:3")
   # One step first: its kernel is created inside the timed step, which would stretch it.
   ops.gba_step_end(ops.gba_step_begin(), profile=profile, seed=11)
-  first = int(ops.gba_worker_step_stats().numpy()[0])  # this process's step counter
+  # This process's position in its straggler sequence (its step count, moved by any
+  # GBA>SetStepPosition an earlier test in the process made).
+  first = int(ops.gba_worker_step_stats().numpy()[4])
   slept = []
   for _ in range(24):
     start = ops.gba_step_begin()

@@ -539,6 +539,13 @@ def _raise_if_ps_lost(error: Exception, cluster) -> None:
   text = str(error)
   unreachable = isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError,
                                    tf.errors.CancelledError, tf.errors.NotFoundError))
+  if not dead and unreachable and "/job:ps" in text and cluster is not None:
+    # A killed process closes its sockets before its exit status can be read: give it a moment,
+    # so that the message can name the server.
+    deadline = time.time() + 3.0
+    while not dead and time.time() < deadline:
+      time.sleep(0.1)
+      dead = cluster.dead("ps")
   if dead or (unreachable and "/job:ps" in text):
     what = ", ".join(dead) if dead else "a parameter server"
     raise recovery.ParameterServerLost(
