@@ -125,12 +125,30 @@ class CudaConfig:
     return flags + [f"-gencode=arch=compute_{lowest},code=compute_{lowest}"]
 
 
+def _import_tensorflow_quietly():
+  """TensorFlow, imported for its build flags without its start-up notices on the terminal.
+
+  TF's runtime logs a few INFO lines (oneDNN, CUDA drivers) on file descriptor 2 before its log
+  level applies, on every build; they say nothing about the build. A failed import still raises
+  here, with its message.
+  """
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  try:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  finally:
+    os.dup2(saved, 2)
+    os.close(saved)
+    os.close(devnull)
+  return tf
+
+
 class BuildTfOps(build_ext):
   """Compiles each op library with g++ and TensorFlow's own flags, in parallel."""
 
   def build_extensions(self):
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    tf = _import_tensorflow_quietly()
     self._cflags = tf.sysconfig.get_compile_flags()
     self._lflags = tf.sysconfig.get_link_flags()
     self._cxx = os.environ.get("CXX", "g++")

@@ -751,7 +751,8 @@ def print_summary(s: dict) -> None:
          f"({s['data_list']['examples']:,} examples) of {s['data_list']['listed_batches']} "
          f"listed; per worker "
          + "  ".join(f"w{i}={b}" for i, b in enumerate(s['data_list']['per_worker_batches']))
-         + f"; duplicates {s['data_list']['duplicates']}  missed {s['data_list']['missed']}"
+         + (f"; duplicates {s['data_list']['duplicates']}  missed {s['data_list']['missed']}"
+            if s['data_list']['missed'] is not None else "")
          + (f"  STALLED: {s['data_list']['stalled']}" if s['data_list']['stalled'] else "")]
         if s.get("data_list") else []),
       f"  eval AUC              {s['eval_auc']:.4f}",
