@@ -21,9 +21,11 @@ venv: $(STAMP)
 
 EDITABLE := $(VENV)/.tf_gba-editable
 
-# Installs the package in editable mode once (this compiles the op libraries).
+# Installs the package in editable mode once (this compiles the op libraries). PYTHONWARNINGS:
+# setuptools warns on every editable install about folders named like the package in the working
+# directory (this checkout is one); nothing to act on.
 $(EDITABLE): setup.py $(STAMP)
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(EDITABLE)
 
 # Builds the op libraries in place (tf_gba/ops/_*_ops*.so); only changed sources are recompiled.
