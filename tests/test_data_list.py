@@ -8,8 +8,6 @@ list's own counters, and compared with the day's ids in NumPy.
 """
 
 import math
-import os
-import time
 
 import numpy as np
 import pytest
@@ -165,45 +163,4 @@ def test_config_input_and_steps():
     TrainConfig(input="files").validate()
 
 
-def _killed_tfdata_worker_day(tmp_path) -> dict:
-  """Trains a day and kills one of the two tf.data workers after the first logging interval."""
-  with LocalCluster(num_ps=1, num_workers=WORKERS, num_tfdata_workers=2) as cluster:
-    cfg, strategy, model, optimizer = _setup(tmp_path, cluster, "shared")
-    cfg.stall_timeout_s = 15.0
-    cfg.log_every = 20
-    shared = shared_input.SharedInput(cfg, strategy, cluster.tfdata_dispatcher, {},
-                                      rows=_rows())
-
-    class _Kill(keras.callbacks.Callback):
-
-      def on_epoch_end(self, epoch, logs=None):
-        if epoch == 0:
-          cluster.kill("tfdata_worker", 0)
-
-    shared.install_train_function(model)
-    start = time.time()
-    runner.fit_shared(model, optimizer, shared, math.ceil(shared.max_steps / cfg.log_every),
-                      [_Kill()])
-    report = shared.report()
-    report["seconds"] = time.time() - start
-    report["hits"] = model.hits.numpy().tolist()
-  return report
-
-
-@pytest.mark.skipif(not os.environ.get("TF_GBA_KILL_TESTS"),
-                    reason="kills a server; its abandoned steps stay in this process's "
-                    "coordinator threads and can disturb later tests: run alone with "
-                    "TF_GBA_KILL_TESTS=1")
-def test_a_killed_tfdata_worker_ends_the_day_without_hanging(tmp_path):
-  """A tf.data worker killed mid-day: the run ends (by the stall watchdog if the readers wait for
-  the dead worker) and the report counts the batches that were not trained on."""
-  report = _killed_tfdata_worker_day(tmp_path)
-  hits = np.asarray(report.pop("hits"))
-  print(f"killed tf.data worker: {report['seconds']:.1f} s, report {report}")
-  # Still at most once; what the report says was not trained on is what the model did not see.
-  assert int((hits > 1).sum()) == 0 and report["duplicates"] == 0
-  assert report["missed_examples"] == int((hits == 0).sum())
-  assert report["batches"] + report["missed"] == math.ceil(ROWS / BATCH)
-  # Either the readers finished the day on the surviving tf.data worker, or the watchdog ended
-  # the day and said so.
-  assert report["stalled"] is not None or report["missed"] == 0, report
+# A killed tf.data worker is drilled through the binary: tests/test_fault_drills.py.

@@ -38,8 +38,8 @@ def _env():
 class _Run:
   """The binary as a subprocess, its output collected as it comes."""
 
-  def __init__(self, mode, model_dir):
-    self.proc = subprocess.Popen(_command(mode, model_dir), stdout=subprocess.PIPE,
+  def __init__(self, mode, model_dir, command=None):
+    self.proc = subprocess.Popen(command or _command(mode, model_dir), stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=_env(), cwd=_ROOT)
     self.out, self.err = [], []
     self._threads = [threading.Thread(target=self._pump, args=(s, b), daemon=True)
@@ -189,22 +189,32 @@ def test_killed_worker_is_restarted_and_the_run_goes_on(tmp_path, tmp_path_facto
   _check_finished(summary, mode, reference, rerun_steps=summary["worker_restarts"])
 
 
-@pytest.mark.parametrize("mode", ["gba", "async"])
-def test_killed_parameter_server_resumes_from_the_last_checkpoint(tmp_path, tmp_path_factory,
-                                                                  mode):
-  reference = _undisturbed(mode, tmp_path_factory)
-  model_dir = str(tmp_path / "m")
-  deadline = time.time() + _TIME_LIMIT_S
+def _resumed_run(mode, model_dir, deadline, kill):
+  """Runs the binary to worker step 140, calls `kill(run)`, and returns the finished (or rerun)
+  job's summary after checking that it resumed once from a periodic checkpoint."""
   run = _Run(mode, model_dir)
   run.wait_for("step 140/", deadline)
-  os.kill(_server(run.proc.pid, "ps", 0), signal.SIGKILL)
+  run = kill(run) or run
   assert run.finish(deadline) == 0, "".join(run.err)[-3000:]
-  err = "".join(run.err)
-  assert "ps:0 died or became unreachable" in err and "restarting the job" in err
   assert "resuming an interrupted run (restart 1)" in "".join(run.out)
   summary = _summary(model_dir)
   assert summary["restarts"] == 1
   assert summary["start_global_step"] > 0  # from a periodic checkpoint, not from scratch
+  return run, summary
+
+
+@pytest.mark.parametrize("mode", ["gba", "async"])
+def test_killed_parameter_server_resumes_from_the_last_checkpoint(tmp_path, tmp_path_factory,
+                                                                  mode):
+  reference = _undisturbed(mode, tmp_path_factory)
+  deadline = time.time() + _TIME_LIMIT_S
+
+  def kill_ps(run):
+    os.kill(_server(run.proc.pid, "ps", 0), signal.SIGKILL)
+
+  run, summary = _resumed_run(mode, str(tmp_path / "m"), deadline, kill_ps)
+  err = "".join(run.err)
+  assert "ps:0 died or became unreachable" in err and "restarting the job" in err
   _check_finished(summary, mode, reference)
 
 
@@ -213,18 +223,51 @@ def test_killed_coordinator_resumes_when_the_command_is_rerun(tmp_path, tmp_path
   reference = _undisturbed(mode, tmp_path_factory)
   model_dir = str(tmp_path / "m")
   deadline = time.time() + _TIME_LIMIT_S
-  run = _Run(mode, model_dir)
-  run.wait_for("step 140/", deadline)
-  tree = [run.proc.pid] + _descendants(run.proc.pid)
-  os.kill(run.proc.pid, signal.SIGKILL)  # the command the user started
-  run.finish(deadline)
-  # The job under it and every server go by themselves.
-  while time.time() < deadline and any(_alive(p) for p in tree):
-    time.sleep(0.5)
-  assert not any(_alive(p) for p in tree)
-  rerun = _Run(mode, model_dir)
-  assert rerun.finish(deadline) == 0, "".join(rerun.err)[-3000:]
-  assert "resuming an interrupted run (restart 1)" in "".join(rerun.out)
-  summary = _summary(model_dir)
-  assert summary["restarts"] == 1 and summary["start_global_step"] > 0
+
+  def kill_coordinator(run):
+    tree = [run.proc.pid] + _descendants(run.proc.pid)
+    os.kill(run.proc.pid, signal.SIGKILL)  # the command the user started
+    run.finish(deadline)
+    # The job under it and every server go by themselves.
+    while time.time() < deadline and any(_alive(p) for p in tree):
+      time.sleep(0.5)
+    assert not any(_alive(p) for p in tree)
+    return _Run(mode, model_dir)  # the same command again
+
+  _, summary = _resumed_run(mode, model_dir, deadline, kill_coordinator)
   _check_finished(summary, mode, reference)
+
+
+def _tfdata_worker(root_pid):
+  for pid in _descendants(root_pid):
+    cmd = _cmdline(pid)
+    if "tf_gba.distribute.server" in cmd and "--job_name tfdata_worker " in cmd:
+      return pid
+  pytest.fail(f"no tf.data worker under process {root_pid}")
+
+
+def test_killed_tfdata_worker_ends_the_day_without_hanging(tmp_path):
+  """One of the two tf.data workers killed mid-day (no --steps: one pass over the day). The local
+  cluster starts it again at its address, the day goes on to its end, and the summary counts what
+  was not trained (the batches the dead tf.data worker had taken from the list and not yet
+  delivered): the batches trained plus those missed make the day, none trained twice."""
+  model_dir = str(tmp_path / "m")
+  deadline = time.time() + _TIME_LIMIT_S
+  command = [a for a in _command("gba", model_dir)
+             if not a.startswith(("--steps=", "--checkpoint_every_steps="))]
+  command += ["--tfdata_workers=2", "--stall_timeout_s=60"]
+  run = _Run("gba", model_dir, command=command)
+  run.wait_for("step 40/", deadline)
+  os.kill(_tfdata_worker(run.proc.pid), signal.SIGKILL)
+  assert run.finish(deadline) == 0, "".join(run.err)[-3000:]
+  summary = _summary(model_dir)
+  data_list = summary["data_list"]
+  print("killed tf.data worker:", {k: data_list[k] for k in (
+      "batches", "missed", "duplicates", "num_batches", "stalled")}, "restarts",
+        summary["tfdata_worker_restarts"])
+  assert summary["tfdata_worker_restarts"] == 1
+  assert data_list["stalled"] is None  # ended by the end of the list, not by the watchdog
+  assert data_list["duplicates"] == 0
+  assert data_list["batches"] + data_list["missed"] == data_list["num_batches"], data_list
+  assert data_list["examples"] + data_list["missed_examples"] == data_list["rows"]
+  assert f"missed {data_list['missed']}" in "".join(run.out)

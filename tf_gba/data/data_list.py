@@ -235,7 +235,7 @@ class DayCounters:
         self.exhausted.assign(tf.maximum(self.exhausted.read_value(), 1 - has)))
 
   @staticmethod
-  def _read_each(var) -> List[Optional[np.ndarray]]:
+  def read_each(var) -> List[Optional[np.ndarray]]:
     """Each worker's value of a per-worker variable; None for a worker that is down.
 
     A worker that died and was started again gets its per-worker variables created afresh, so
@@ -258,7 +258,7 @@ class DayCounters:
 
     A worker that is down (being started again) has not: asked again at the next epoch's end.
     """
-    return all(x is not None and int(x) for x in self._read_each(self.exhausted))
+    return all(x is not None and int(x) for x in self.read_each(self.exhausted))
 
   def report(self, batch_sizes: Optional[np.ndarray] = None, passes: int = 1,
              restored: Optional[np.ndarray] = None) -> dict:
@@ -268,7 +268,7 @@ class DayCounters:
     than `passes` times (in batches; `missed_examples` in rows when `batch_sizes` is given).
     `restored`: per-batch trainings before this run (a resumed run), counted in the coverage.
     """
-    seen_each = self._read_each(self.seen)
+    seen_each = self.read_each(self.seen)
     unreadable = [i for i, v in enumerate(seen_each) if v is None]
     seen = np.stack([np.zeros(self.num_batches, np.int64) if v is None else v
                      for v in seen_each]).astype(np.int64)
@@ -277,9 +277,9 @@ class DayCounters:
       total = total + np.asarray(restored, np.int64)
     as_ints = lambda values: [0 if v is None else int(v) for v in values]  # pylint: disable=unnecessary-lambda-assignment
     out = {
-        "per_worker_batches": as_ints(self._read_each(self.batches)),
-        "per_worker_examples": as_ints(self._read_each(self.examples)),
-        "exhausted": as_ints(self._read_each(self.exhausted)),
+        "per_worker_batches": as_ints(self.read_each(self.batches)),
+        "per_worker_examples": as_ints(self.read_each(self.examples)),
+        "exhausted": as_ints(self.read_each(self.exhausted)),
         # Workers whose counts could not be read at the end (down); their batches count as 0.
         "unreadable_workers": unreadable,
         "listed_batches": self.num_batches * passes,

@@ -49,8 +49,10 @@ class LocalCluster:
     log_dir: where each server's log (`ps_0.log`, ...) goes; kept. None: a temporary directory,
       deleted when the cluster stops unless `keep_logs` or the cluster stops on an exception.
     keep_logs: keep the temporary log directory.
-    restart_workers: start a worker again, at its address, when its process dies: the
-      coordinator (ParameterServerStrategy) then runs the dead worker's closures there again.
+    restart_workers: start a worker or a tf.data worker again, at its address, when its process
+      dies: the coordinator (ParameterServerStrategy) then runs the dead worker's closures there
+      again, and the readers of the data list, which keep asking a lost tf.data worker's address
+      (with growing back-off, which slows every read), find a tf.data worker there again.
     num_tfdata_workers: tf.data service workers for the shared data list
       (`tf_gba.data.data_list`), each a process of its own; with any, a dispatcher runs in this
       process and `tfdata_dispatcher` is its address. Own processes rather than threads of this
@@ -95,7 +97,7 @@ class LocalCluster:
     self._stopping = False
     self._restart_workers = restart_workers
     # Servers started again after their process died, per job.
-    self.restarts = {"ps": 0, "worker": 0}
+    self.restarts = {"ps": 0, "worker": 0, "tfdata_worker": 0}
 
   # ---- lifecycle ---------------------------------------------------------------------------------
   def start(self) -> "LocalCluster":
@@ -168,9 +170,9 @@ class LocalCluster:
     while not self._stopping:
       for name, proc in list(self._procs.items()):
         job, index = name.split(":")
-        if job == "worker" and proc.poll() is not None and not self._stopping:
+        if job in ("worker", "tfdata_worker") and proc.poll() is not None and not self._stopping:
           self._spawn(job, int(index))
-          self.restarts["worker"] += 1
+          self.restarts[job] += 1
       time.sleep(0.5)
 
   def dead(self, job: str = "ps") -> List[str]:

@@ -522,7 +522,9 @@ def run(config: TrainConfig) -> dict:
         # global steps redone.
         "batches_reread": (batches_reread if batches_reread is not None
                            else resume.steps_redone * m),
-        "worker_restarts": cluster.restarts["worker"] if cluster is not None else 0})
+        "worker_restarts": cluster.restarts["worker"] if cluster is not None else 0,
+        "tfdata_worker_restarts": (cluster.restarts["tfdata_worker"] if cluster is not None
+                                   else 0)})
     with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
     with job.writer.as_default(step=epochs * epoch_steps(config)):
@@ -760,7 +762,9 @@ def print_summary(s: dict) -> None:
       f"  checkpoint            {s['checkpoint']}",
       *([f"  recovery              {s['restarts']} restarts, {s['steps_redone']} global steps "
          f"redone ({s['batches_reread']} batches re-read), {s['worker_restarts']} workers "
-         "restarted"] if s.get("restarts") or s.get("worker_restarts") else []),
+         f"and {s.get('tfdata_worker_restarts', 0)} tf.data workers restarted"]
+        if s.get("restarts") or s.get("worker_restarts") or s.get("tfdata_worker_restarts")
+        else []),
       *([_data_line(s)] if s.get("data_rows_checked") else []),
       *([f"  logs                  {s['logs']}"
          + ("" if s["logs_kept"] else "  (deleted at exit; --keep_logs keeps them)")]

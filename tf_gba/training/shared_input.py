@@ -102,11 +102,10 @@ class SharedInput:
     model: what a checkpoint written there stores as the data position. None while a worker is
     being restarted (its counters cannot be read then).
     """
-    try:
-      seen = np.stack([np.asarray(v) for v in self.counters.seen.read_all()]).astype(np.int64)
-    except tf.errors.OpError:
+    each = self.counters.read_each(self.counters.seen)
+    if any(v is None for v in each):
       return None
-    return self.restored_seen + seen.sum(0)
+    return self.restored_seen + np.stack(each).astype(np.int64).sum(0)
 
   def resume(self, seen: np.ndarray, last_recorded: Optional[np.ndarray] = None,
              min_entries: int = 0) -> int:
