@@ -184,7 +184,8 @@ class DTS(keras.optimizers.Optimizer):
       raise ValueError(f"delay must be an integer >= 1 (1 = synchronous), got {delay!r}")
     if int(period) != period or period < 1:
       raise ValueError(f"period must be an integer >= 1 (1 = every step), got {period!r}")
-    if isinstance(inner.learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+    # The public config names a schedule (a dict) where the learning rate is not a number.
+    if isinstance(inner.get_config()["learning_rate"], dict):
       raise ValueError("DTS needs a constant learning rate (its corrections assume it): pass "
                        "SGD(learning_rate=<float>), not a schedule.")
     unsupported = [n for n in ("nesterov", "clipnorm", "clipvalue", "global_clipnorm",
