@@ -161,6 +161,7 @@ class _VarState:
     self.var, self.sum, self.end, self.momentum = var, sum_, end, momentum
 
 
+@keras.utils.register_keras_serializable(package="tf_gba")
 class DTS(keras.optimizers.Optimizer):
   """Delayed (`delay`) and temporally sparse (`period`) SGD / momentum SGD with compensation.
 

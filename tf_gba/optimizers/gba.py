@@ -63,6 +63,7 @@ def _track(state: _GBAState, name: str, resource) -> None:
     setattr(state, name, resource)
 
 
+@keras.utils.register_keras_serializable(package="tf_gba")
 class GBA(keras.optimizers.Optimizer):
   """Wraps a tf_keras optimizer so that it applies one aggregate per global batch.
 
@@ -80,6 +81,11 @@ class GBA(keras.optimizers.Optimizer):
       counting as zero, which is what the all-reduce Sync mode applies) or "per_id" (divide by
       the number of entries that contained the row, the paper's rule).
     nonfinite: "drop" (a gradient with NaN/Inf gets weight 0 and is counted) or "error".
+
+  Strategy: create GBA inside a `tf_gba.distribute.GBAStrategy`'s scope (the workers then share
+  the buffers on the parameter servers). Outside any strategy it aggregates the M gradients of
+  one process (single-process runs and tests). Created under another strategy, or applied under a
+  different strategy than the one it was created under, it raises RuntimeError.
   """
 
   def __init__(self, inner: keras.optimizers.Optimizer, num_aggregate: Optional[int] = None,
@@ -115,6 +121,11 @@ class GBA(keras.optimizers.Optimizer):
     # Validate now, with the user's arguments, rather than at the first training step.
     gba_ops.BufferConfig(num_aggregate=self._requested_m or 1, **self._config_args)
     strategy = tf.distribute.get_strategy()
+    if tf.distribute.has_strategy() and not hasattr(strategy, "register_num_aggregate"):
+      raise RuntimeError(
+          f"GBA needs tf_gba.distribute.GBAStrategy but was created under "
+          f"{type(strategy).__name__}: create the strategy with GBAStrategy(...) and the "
+          "optimizer inside its scope.")
     self._gba_strategy = strategy if hasattr(strategy, "register_num_aggregate") else None
     if self._gba_strategy is not None:
       self._num_aggregate = self._gba_strategy.register_num_aggregate(self._requested_m)
@@ -230,6 +241,7 @@ class GBA(keras.optimizers.Optimizer):
                       **kwargs):
     """Pushes each gradient to its buffer; applies the inner update where a batch completes."""
     del skip_gradients_aggregation, kwargs  # one replica per worker: nothing to all-reduce
+    self._check_strategy()
     grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
     if not grads_and_vars:
       return self.iterations
@@ -265,6 +277,26 @@ class GBA(keras.optimizers.Optimizer):
       with tf.device(self.iterations.device):
         tf.cond(leader_ready, lambda: self.iterations.assign_add(1).op, tf.no_op)
       return self.iterations
+
+  def _check_strategy(self):
+    """Refuses to run under another strategy than the one GBA was created under.
+
+    Created under a GBAStrategy, GBA pushes to buffers that every worker shares; created outside
+    any strategy it aggregates in this process only (single-process use). Either applied under
+    another strategy would silently train something else.
+    """
+    current = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    if current is self._gba_strategy:
+      return
+    if self._gba_strategy is None:
+      raise RuntimeError(
+          f"GBA was created outside any strategy but runs under {type(current).__name__}: "
+          "create the optimizer inside `with strategy.scope():` of a "
+          "tf_gba.distribute.GBAStrategy.")
+    raise RuntimeError(
+        f"GBA was created under a GBAStrategy but runs under "
+        f"{type(current).__name__ if current else 'no strategy'}: apply it under the strategy "
+        "whose scope created it (model.compile and fit inside that scope).")
 
   def _push_and_maybe_apply(self, token, ticket, grad, var):
     buf = self._buffer_for(var, grad)
