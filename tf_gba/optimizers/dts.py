@@ -87,6 +87,7 @@ Example:
             callbacks=[optimizer.exchange_callback()])
 """
 
+import copy
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -385,7 +386,8 @@ class DTS(keras.optimizers.Optimizer):
 
   @classmethod
   def from_config(cls, config: dict, custom_objects=None) -> "DTS":
-    config = dict(config)
+    # Deep: tf_keras' deserialize rewrites the class name inside the dict it is given.
+    config = copy.deepcopy(config)
     inner = keras.optimizers.deserialize(config.pop("inner"), custom_objects=custom_objects)
     return cls(inner, **config)
 

@@ -14,6 +14,7 @@ Example:
   model.compile(optimizer=optimizer, loss="binary_crossentropy")
 """
 
+import copy
 from typing import Dict, List, Optional
 
 import tensorflow as tf
@@ -357,6 +358,7 @@ class GBA(keras.optimizers.Optimizer):
 
   @classmethod
   def from_config(cls, config, custom_objects=None):
-    config = dict(config)
+    # Deep: tf_keras' deserialize rewrites the class name inside the dict it is given.
+    config = copy.deepcopy(config)
     inner = keras.optimizers.deserialize(config.pop("inner"), custom_objects=custom_objects)
     return cls(inner, **config)
