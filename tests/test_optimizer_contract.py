@@ -73,14 +73,16 @@ class Case:
   callbacks: Callable[[keras.optimizers.Optimizer], List] = lambda opt: []
 
 
+# In-process strategies first: a parameter-server case connects this process to its cluster for
+# good (TensorFlow cannot disconnect), and MirroredStrategy's collectives then hang.
 CASES = [
+    Case("DTS", lambda: DTS(keras.optimizers.SGD(0.1, momentum=0.9), delay=2, period=2),
+         _mirrored, needs="MirroredStrategy", parameter_server=False,
+         callbacks=lambda opt: [opt.exchange_callback()]),
     Case("GBA", lambda: GBA(keras.optimizers.Adam(0.01), num_aggregate=2, staleness_threshold=2),
          _ps_strategy("gba"), needs="GBAStrategy"),
     Case("AdaptiveRevision", lambda: AdaptiveRevision(alpha=0.05, g0=0.5),
          _ps_strategy("async"), needs="GBAStrategy"),
-    Case("DTS", lambda: DTS(keras.optimizers.SGD(0.1, momentum=0.9), delay=2, period=2),
-         _mirrored, needs="MirroredStrategy", parameter_server=False,
-         callbacks=lambda opt: [opt.exchange_callback()]),
 ]
 
 
@@ -97,9 +99,9 @@ def _model():
 
 def _fit(case: Case, model, optimizer):
   x, y = _data()
-  dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8)
-  if case.parameter_server:
-    dataset = keras.utils.experimental.DatasetCreator(lambda ctx: dataset)
+  make = lambda ctx=None: tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8)
+  # Each parameter-server worker builds its own pipeline.
+  dataset = keras.utils.experimental.DatasetCreator(make) if case.parameter_server else make()
   return model.fit(dataset, epochs=1, steps_per_epoch=STEPS, verbose=0,
                    callbacks=case.callbacks(optimizer))
 

@@ -1,4 +1,4 @@
-"""DTS: delayed and temporally sparse synchronous updates with error compensation (seed 004).
+"""DTS: delayed and temporally sparse synchronous updates with error compensation.
 
 Synchronous data-parallel SGD waits for the all-reduce of every step. DTS does not: each replica
 updates its own copy of the model with its local gradient at once, the all-reduce runs in the
