@@ -16,7 +16,9 @@ MovieLens-100K's star ratings (a random 80/20 split). The differences that GBA n
 
 Run:
   python examples/tfrs_ranking.py --data=/work/shared/data/movielens_100k
-It prints the test RMSE next to that of the mean predictor (the training ratings' mean).
+It prints the test RMSE next to that of the mean predictor (the training ratings' mean). The
+default 10 passes over the training ratings (95 global steps) gave 0.996 against 1.131; the
+tutorial's 3 passes are not enough here (1.150).
 """
 
 import argparse
@@ -139,7 +141,7 @@ def _parse():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--data", default="/work/shared/data/movielens_100k",
                       help="directory with u.data, u.user, u.item (plain or .gz)")
-  parser.add_argument("--epochs", type=int, default=3)
+  parser.add_argument("--epochs", type=int, default=10)
   parser.add_argument("--steps_per_epoch", type=int, default=0,
                       help="local batches per epoch, over all workers (0: one pass over the "
                       "training ratings)")
