@@ -166,6 +166,10 @@ class _VarState:
 class DTS(keras.optimizers.Optimizer):
   """Delayed (`delay`) and temporally sparse (`period`) SGD / momentum SGD with compensation.
 
+  tf_keras internals kept (no public equivalent): `inner._trackable_children` (the SGD's
+  checkpoint entries stand in DTS's place: Sync <-> DTS switching) and the base class's
+  `_build_index_dict` / `_var_key` (matching Keras' gradients to the built variables).
+
   Args:
     inner: a `tf_keras.optimizers.SGD` with a constant learning rate; its `momentum` (0 for
       plain SGD) is the local update's. Create it, and DTS, under the strategy's scope.

@@ -96,6 +96,14 @@ class GBA(keras.optimizers.Optimizer):
   `GBA.STATE_KEY`, `GBA.TOKENS_KEY` and `GBA.buffer_key(i)` / `GBA.buffer_index(name)` name these;
   `gba_state()` returns the live objects behind them.
 
+  tf_keras internals kept (no public equivalent): `inner._trackable_children` (the inner
+  optimizer's checkpoint entries stand in the wrapper's place: Sync <-> GBA switching),
+  `inner._compute_current_learning_rate` (advances a schedule once per step; the public
+  `apply_gradients` would also step `iterations` per variable), `inner._clip_gradients` and
+  `inner._use_weight_decay` (clipping and weight-decay exclusions exactly as the inner optimizer
+  applies them, to each aggregate), and the base class's `_build_index_dict` / `_var_key`
+  (the variable order that names the buffers).
+
   Strategy: create GBA inside a `tf_gba.distribute.GBAStrategy`'s scope (the workers then share
   the buffers on the parameter servers). Outside any strategy it aggregates the M gradients of
   one process (single-process runs and tests). Created under another strategy, or applied under a
@@ -395,7 +403,7 @@ class GBA(keras.optimizers.Optimizer):
     if inner.weight_decay and inner._use_weight_decay(var):  # pylint: disable=protected-access
       lr = tf.cast(inner.learning_rate, var.dtype)
       var.assign_sub(var * tf.cast(inner.weight_decay, var.dtype) * lr)
-    inner._update_step(aggregate, var)  # pylint: disable=protected-access
+    inner.update_step(aggregate, var)
     if var.constraint is not None:
       var.assign(var.constraint(var))
 
