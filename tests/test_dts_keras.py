@@ -220,3 +220,35 @@ def test_misuse_raises_clear_errors(strategy):
     model.compile(optimizer=opt, loss=_loss)
   with pytest.raises(RuntimeError, match=r"callbacks=\[optimizer.exchange_callback\(\)\]"):
     model.fit(_dataset(x, y, 0), epochs=1, steps_per_epoch=1, verbose=0)
+
+
+def test_fit_resumes_a_dts_checkpoint_taken_between_exchanges(strategy, tmp_path):
+  """Saved with rounds in flight and replicas apart; restored, fit continues the same trajectory."""
+  first, more, t, p = 5, 6, 3, 2
+  x, y, w0 = _data(first + more, seed=9)
+  grads = _grads(x, y)
+
+  def make():
+    with strategy.scope():
+      model = _model(w0)
+      opt = DTS(keras.optimizers.SGD(LR, momentum=M), delay=t, period=p)
+      model.compile(optimizer=opt, loss=_loss)
+      opt.build(model.trainable_variables)
+    return model, opt
+
+  model, opt = make()
+  model.fit(_dataset(x, y, 0), epochs=1, steps_per_epoch=first, verbose=0,
+            callbacks=[opt.exchange_callback(synchronize_at_end=False)])
+  assert opt.rounds_in_flight(first)
+  saved = _copies(strategy, model.trainable_variables[0])
+  np.testing.assert_allclose(saved, _closed_form(grads, w0, first, t, p, M), atol=2e-5)
+  assert np.ptp(saved, axis=0).max() > 0           # the replicas are apart at the save
+  path = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "ckpt"))
+
+  restored, opt2 = make()
+  tf.train.Checkpoint(model=restored, optimizer=opt2).read(path).assert_consumed()
+  restored.fit(_dataset(x, y, first), epochs=1, steps_per_epoch=more, verbose=0,
+               callbacks=[opt2.exchange_callback()])
+  want_w, _ = _sync(grads, w0, first + more, M)
+  np.testing.assert_allclose(_copies(strategy, restored.trainable_variables[0]),
+                             np.tile(want_w, (REPLICAS, 1)), atol=2e-5)
