@@ -19,6 +19,7 @@ import tf_keras as keras
 
 from tf_gba.distribute import collective_cluster
 from tf_gba.distribute.dts_training import DTSTrainer
+from tf_gba.distribute.dts_training import make_local_mirrored_strategy
 from tf_gba.distribute.latency import AsyncAllReduce
 from tf_gba.optimizers.dts import DTS
 from tf_gba.training.dts_job import train_dts
@@ -50,7 +51,7 @@ def strategy():
   devices = [d.name for d in tf.config.list_logical_devices("CPU")]
   if len(devices) < 2:
     pytest.skip("needs >= 2 logical CPU devices; TensorFlow was initialised with one")
-  return tf.distribute.MirroredStrategy(devices[:3])
+  return make_local_mirrored_strategy(3)   # the process's one strategy over these devices
 
 
 # ------------------------------------------------------------------------------------------------

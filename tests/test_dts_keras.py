@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 import tf_keras as keras
 
+from tf_gba.distribute.dts_training import make_local_mirrored_strategy
 from tf_gba.optimizers import DTS
 
 LR = 0.1
@@ -47,7 +48,7 @@ def strategy():
   devices = [d.name for d in tf.config.list_logical_devices("CPU")]
   if len(devices) < REPLICAS:
     pytest.skip(f"needs >= {REPLICAS} logical CPU devices; TensorFlow was initialised with fewer")
-  return tf.distribute.MirroredStrategy(devices[:REPLICAS])
+  return make_local_mirrored_strategy(REPLICAS)   # the process's one strategy over these devices
 
 
 # ------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import tf_keras as keras
 
 from tf_gba.distribute import GBAStrategy
 from tf_gba.distribute import LocalCluster
+from tf_gba.distribute import make_local_mirrored_strategy
 from tf_gba.optimizers import DTS
 from tf_gba.optimizers import GBA
 from tf_gba.optimizers import AdaptiveRevision
@@ -58,9 +59,10 @@ def _ps_strategy(mode: str):
 def _mirrored(stack: contextlib.ExitStack):
   del stack
   devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-  if len(devices) < 2:
-    pytest.skip("needs >= 2 logical CPU devices; TensorFlow was initialised with one")
-  return tf.distribute.MirroredStrategy(devices[:2])
+  if len(devices) < 3:
+    pytest.skip("needs >= 3 logical CPU devices; TensorFlow was initialised with fewer")
+  # The process's one strategy over these devices (the DTS tests use it too).
+  return make_local_mirrored_strategy(3)
 
 
 @dataclasses.dataclass

@@ -39,11 +39,19 @@ import tf_keras as keras
 from tf_gba.distribute.latency import AsyncAllReduce
 
 
+# One MirroredStrategy per device set and process: two strategies number their collectives
+# (group and instance keys) the same way, so over shared devices their all-reduces abort each other
+# ("Shape mismatch in the collective instance 100").
+_LOCAL_STRATEGIES: Dict[tuple, tf.distribute.MirroredStrategy] = {}
+
+
 def make_local_mirrored_strategy(num_replicas: int) -> tf.distribute.MirroredStrategy:
   """A MirroredStrategy over `num_replicas` logical CPU devices of this process.
 
   Splits the first physical CPU into logical devices; that has to happen before TensorFlow
-  initialises its devices, so call this early (before any tensor is created).
+  initialises its devices, so call this early (before any tensor is created). Every call for the
+  same devices returns the same strategy (see `_LOCAL_STRATEGIES`): use this one rather than a
+  second `tf.distribute.MirroredStrategy` over them in the same process.
   """
   cpu = tf.config.list_physical_devices("CPU")[0]
   try:
@@ -56,7 +64,10 @@ def make_local_mirrored_strategy(num_replicas: int) -> tf.distribute.MirroredStr
     raise RuntimeError(
         f"need {num_replicas} logical CPU devices but TensorFlow was initialised with "
         f"{len(devices)}; call make_local_mirrored_strategy() before creating any tensor.")
-  return tf.distribute.MirroredStrategy(devices[:num_replicas])
+  key = tuple(devices[:num_replicas])
+  if key not in _LOCAL_STRATEGIES:
+    _LOCAL_STRATEGIES[key] = tf.distribute.MirroredStrategy(list(key))
+  return _LOCAL_STRATEGIES[key]
 
 
 class ExchangeSchedule:
