@@ -17,8 +17,9 @@ MovieLens-100K's star ratings (a random 80/20 split). The differences that GBA n
 Run:
   python examples/tfrs_ranking.py --data=/work/shared/data/movielens_100k
 It prints the test RMSE next to that of the mean predictor (the training ratings' mean). The
-default 10 passes over the training ratings (95 global steps) gave 0.996 against 1.131; the
-tutorial's 3 passes are not enough here (1.150).
+default 10 passes over the training ratings (95 global steps) gave 0.996 and 1.001 in two runs
+against 1.131; the tutorial's 3 passes are not enough here (1.150). `--optimizer=adaptive_revision`
+trains the same model with AdaptiveRevision(alpha=0.1), asynchronously (1.051 after 10 passes).
 """
 
 import argparse
@@ -117,12 +118,18 @@ def main(args) -> dict:
     return ds.shuffle(100_000, seed=args.seed).repeat().batch(local_batch)
 
   with tf_gba.distribute.LocalCluster(num_ps=1, num_workers=args.num_workers) as cluster:
-    strategy = tf_gba.distribute.GBAStrategy(cluster.resolver())
+    if args.optimizer == "gba":
+      strategy = tf_gba.distribute.GBAStrategy(cluster.resolver())
+    else:  # AdaptiveRevision applies each worker's gradient on arrival (asynchronous training)
+      strategy = tf_gba.distribute.GBAStrategy(cluster.resolver(), mode="async")
     with strategy.scope():
       model = MovielensModel(num_users, num_movies)
-      optimizer = tf_gba.optimizers.GBA(tf.keras.optimizers.Adagrad(learning_rate=0.1),
-                                        global_batch_size=global_batch,
-                                        local_batch_size=local_batch)
+      if args.optimizer == "gba":
+        optimizer = tf_gba.optimizers.GBA(tf.keras.optimizers.Adagrad(learning_rate=0.1),
+                                          global_batch_size=global_batch,
+                                          local_batch_size=local_batch)
+      else:
+        optimizer = tf_gba.optimizers.AdaptiveRevision(alpha=0.1)
       model.compile(optimizer=optimizer)
       model({"user_id": tf.constant([1]), "movie_id": tf.constant([1])})  # creates the weights
       optimizer.build(model.trainable_variables)
@@ -131,9 +138,10 @@ def main(args) -> dict:
     result = {"test_rmse": rmse(model, test), "global_steps": int(optimizer.iterations.numpy())}
   mean = float(np.mean(train["user_rating"]))
   result["mean_predictor_rmse"] = float(np.sqrt(np.mean((test["user_rating"] - mean) ** 2)))
+  batch = global_batch if args.optimizer == "gba" else local_batch
   print(f"test RMSE {result['test_rmse']:.3f} vs {result['mean_predictor_rmse']:.3f} for the "
-        f"mean predictor ({result['global_steps']} global steps of {global_batch} ratings, "
-        f"{args.num_workers} workers)", flush=True)
+        f"mean predictor ({result['global_steps']} global steps of {batch} ratings, "
+        f"{args.num_workers} workers, {args.optimizer})", flush=True)
   return result
 
 
@@ -146,6 +154,9 @@ def _parse():
                       help="local batches per epoch, over all workers (0: one pass over the "
                       "training ratings)")
   parser.add_argument("--num_workers", type=int, default=2)
+  parser.add_argument("--optimizer", choices=("gba", "adaptive_revision"), default="gba",
+                      help="GBA(Adagrad(0.1)) on a global batch of 8192, or AdaptiveRevision("
+                      "alpha=0.1) applying each local batch asynchronously")
   parser.add_argument("--seed", type=int, default=42)
   parser.add_argument("--verbose", action="store_true",
                       help="leave TensorFlow's and gRPC's own logs on the terminal")
