@@ -43,7 +43,8 @@ import tf_gba  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is used
 import tensorflow as tf
 import tf_keras as keras
 
-from tf_gba.distribute.dts_training import make_local_mirrored_strategy, train_dts
+from tf_gba.distribute.dts_training import make_local_mirrored_strategy
+from tf_gba.training.dts_job import train_dts
 
 SPEEDUP_TARGET = 3.0
 AUC_TOLERANCE = 0.002

@@ -18,9 +18,11 @@ import tensorflow as tf
 import tf_keras as keras
 
 from tf_gba.distribute import collective_cluster
-from tf_gba.distribute.dts_training import DTSTrainer, train_dts
+from tf_gba.distribute.dts_training import DTSTrainer
+from tf_gba.distribute.dts_training import make_local_mirrored_strategy
 from tf_gba.distribute.latency import AsyncAllReduce
 from tf_gba.optimizers.dts import DTS
+from tf_gba.training.dts_job import train_dts
 
 LR = 0.1
 M = 0.9
@@ -49,7 +51,7 @@ def strategy():
   devices = [d.name for d in tf.config.list_logical_devices("CPU")]
   if len(devices) < 2:
     pytest.skip("needs >= 2 logical CPU devices; TensorFlow was initialised with one")
-  return tf.distribute.MirroredStrategy(devices[:3])
+  return make_local_mirrored_strategy(3)   # the process's one strategy over these devices
 
 
 # ------------------------------------------------------------------------------------------------
@@ -150,6 +152,13 @@ def spec_recurrence(case, grad_fn, w0, replicas, steps, t, p):
 # ------------------------------------------------------------------------------------------------
 # Helpers driving the implementation.
 
+def _dts(strategy, inner="sgd", lr=LR, m=M, delay=1, period=1):
+  """DTS wrapping SGD ("sgd") or momentum SGD ("momentum"), made under `strategy`'s scope."""
+  with strategy.scope():
+    return DTS(keras.optimizers.SGD(lr, momentum=m if inner == "momentum" else 0.0), delay=delay,
+               period=period)
+
+
 def _copies(strategy, var):
   return np.stack([c.numpy() for c in strategy.experimental_local_results(var)])
 
@@ -177,8 +186,8 @@ def _run(strategy, opt, var, loss_fn, table, steps, start=0, trainer=None):
 # Tests.
 
 @pytest.mark.parametrize("t,p", [(1, 1), (2, 1), (3, 2), (8, 3), (4, 4), (2, 7)])
-def test_schedule(t, p):
-  opt = DTS(delay=t, period=p)
+def test_schedule(strategy, t, p):
+  opt = _dts(strategy, delay=t, period=p)
   assert opt.num_slots == -(-(t - 1) // p) + 1
   consumed = {}
   for n in range(60):
@@ -208,7 +217,7 @@ def test_invariant_on_scripted_gradients(strategy, inner, t, p):
   m = M if inner == "momentum" else 0.0
   with strategy.scope():
     w = tf.Variable(w0)
-  opt = DTS(inner, LR, M, delay=t, period=p)
+  opt = _dts(strategy, inner, delay=t, period=p)
   history, trainer = _run(strategy, opt, w, lambda c: tf.reduce_sum(w * c), table, steps)
   avg = table.astype(np.float64).mean(axis=1)
   for n in range(1, steps + 1):
@@ -253,7 +262,7 @@ def test_spec_recurrences_with_model_dependent_gradients(strategy, case, inner, 
   def loss_fn(row):  # 0.5 * a_j * |w - c(n, j)|^2: gradient a_j * (w - c(n, j))
     return 0.5 * row[0] * tf.reduce_sum(tf.square(w - row[1:]))
 
-  opt = DTS(inner, LR, M, delay=t, period=p)
+  opt = _dts(strategy, inner, delay=t, period=p)
   history, trainer = _run(strategy, opt, w, loss_fn, table, steps)
   trainer.close()
   ref = spec_recurrence(case, lambda n, j, wj: table[n, j, 0] * (wj - table[n, j, 1:]),
@@ -281,7 +290,7 @@ def test_embedding_gradients_are_indexed_slices(strategy, inner):
   with tf.GradientTape() as tape:
     probe = loss_fn((ids[0, 0], coef[0, 0]))
   assert isinstance(tape.gradient(probe, emb), tf.IndexedSlices)
-  opt = DTS(inner, LR, M, delay=t, period=p)
+  opt = _dts(strategy, inner, delay=t, period=p)
   trainer = DTSTrainer(strategy, opt, [emb], loss_fn)
   history = []
   for _ in range(steps):
@@ -318,7 +327,7 @@ def test_checkpoint_round_trip_restores_compensation_state(strategy, tmp_path):
   def make():
     with strategy.scope():
       w = tf.Variable(w0)
-    opt = DTS("momentum", LR, M, delay=t, period=p)
+    opt = _dts(strategy, "momentum", delay=t, period=p)
     trainer = DTSTrainer(strategy, opt, [w],
                          lambda row: 0.5 * row[0] * tf.reduce_sum(tf.square(w - row[1:])))
     return w, opt, trainer
@@ -345,17 +354,18 @@ def test_checkpoint_round_trip_restores_compensation_state(strategy, tmp_path):
   np.testing.assert_allclose(resumed, continued, atol=1e-6)
 
 
-def test_config_round_trip_and_validation():
-  opt = DTS("momentum", learning_rate=0.05, momentum=0.8, delay=4, period=2)
-  clone = DTS.from_config(opt.get_config())
+def test_config_round_trip_and_validation(strategy):
+  opt = _dts(strategy, "momentum", lr=0.05, m=0.8, delay=4, period=2)
+  with strategy.scope():
+    clone = DTS.from_config(opt.get_config())
   assert clone.get_config() == opt.get_config()
   assert clone.num_slots == 3
   with pytest.raises(ValueError, match="inner"):
-    DTS("adam")
+    DTS(keras.optimizers.Adam())
   with pytest.raises(ValueError, match="delay"):
-    DTS(delay=0)
+    DTS(keras.optimizers.SGD(), delay=0)
   with pytest.raises(ValueError, match="period"):
-    DTS(period=0)
+    DTS(keras.optimizers.SGD(), period=0)
 
 
 def test_exchange_is_non_blocking_and_latency_is_pipelined(strategy):
@@ -435,7 +445,7 @@ def multi_worker_scripted(steps, delay, period, latency_ms, seed):
     w = tf.Variable(w0)
   iterator = iter(strategy.distribute_datasets_from_function(
       lambda ctx: tf.data.Dataset.from_tensor_slices(table[:, ctx.input_pipeline_id]).repeat()))
-  opt = DTS("momentum", LR, M, delay=delay, period=period)
+  opt = _dts(strategy, "momentum", delay=delay, period=period)
   history = []
   with DTSTrainer(strategy, opt, [w], lambda c: tf.reduce_sum(w * c),
                   latency_ms=latency_ms, exchange_timeout_s=60) as trainer:

@@ -302,3 +302,45 @@ def test_sync_checkpoint_restores_into_gba_and_back(tmp_path):
   back.optimizer.build(back.trainable_variables)
   for a, b in zip(gba_opt.variables, back.optimizer.variables):
     np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_created_outside_a_strategy_refuses_to_run_under_one():
+  # Outside any strategy GBA aggregates in this process; applied under a strategy it would train
+  # something else than the user asked for, so it says what to do instead.
+  var = tf.Variable([1.0, 2.0])
+  opt = GBA(keras.optimizers.SGD(1.0), num_aggregate=2)
+  strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+  with pytest.raises(RuntimeError, match="create the optimizer inside"):
+    strategy.run(lambda: opt.apply_gradients([(tf.constant([1.0, 1.0]), var)]))
+  with strategy.scope(), pytest.raises(RuntimeError, match="GBAStrategy"):
+    GBA(keras.optimizers.SGD(1.0))
+
+
+def test_public_state_api_names_the_checkpoint_layout(tmp_path):
+  dense = tf.Variable([1.0, 2.0])
+  table = tf.Variable(tf.zeros([5, 2]))
+  opt = GBA(keras.optimizers.SGD(1.0), num_aggregate=2)
+  opt.build([dense, table])
+  assert opt.variable_index(dense) == 0 and opt.variable_index(table) == 1
+  opt.apply_gradients([(tf.constant([1.0, 1.0]), dense),
+                       (tf.IndexedSlices(tf.ones([1, 2]), tf.constant([3], tf.int64),
+                                         tf.constant([5, 2], tf.int64)), table)])
+  opt.apply_gradients([(tf.constant([1.0, 1.0]), dense),
+                       (tf.IndexedSlices(tf.ones([1, 2]), tf.constant([3], tf.int64),
+                                         tf.constant([5, 2], tf.int64)), table)])
+  state = opt.gba_state()
+  assert state[GBA.TOKENS_KEY] is opt.token_generator
+  assert int(opt.token_generator.count().numpy()) == 2
+  assert sorted(state["buffers"]) == [0, 1]
+  assert state["buffers"][0]["variable"] is dense and not state["buffers"][0]["sparse"]
+  assert state["buffers"][1]["sparse"] and opt.buffer(table, sparse=True) is (
+      state["buffers"][1]["buffer"])
+  path = tf.train.Checkpoint(optimizer=opt).write(str(tmp_path / "ckpt"))
+  saved = dict(tf.train.list_variables(path))
+  prefix = f"optimizer/{GBA.STATE_KEY}/"
+  assert any(k.startswith(f"{prefix}{GBA.TOKENS_KEY}/") for k in saved)
+  tags = [k for k in saved if k.startswith(prefix + GBA.buffer_key(1) + "/") and "row_tags" in k]
+  assert len(tags) == 1
+  # Row 3 was updated by global step 0's aggregate, which made step 1; the others never were.
+  np.testing.assert_array_equal(tf.train.load_variable(path, tags[0]), [-1, -1, -1, 0, -1])
+  assert GBA.buffer_index(GBA.buffer_key(7)) == 7 and GBA.buffer_index("token_generator") is None

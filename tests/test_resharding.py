@@ -74,13 +74,14 @@ def logical_state(model, optimizer):
       state[f"{slot}/{name}"] = np.concatenate([
           np.atleast_1d(slots[inner._index_dict[inner._var_key(p)]].numpy()) for p in parts])
     if isinstance(optimizer, GBA):
-      buffers = [optimizer._buffers.get(optimizer._var_key(p)) for p in parts]
+      made = optimizer.gba_state()["buffers"]
+      buffers = [made.get(optimizer.variable_index(p), {}).get("buffer") for p in parts]
       if all(b is not None for b in buffers):
         state[f"steps/{name}"] = np.array(sorted({int(b.global_step()) for b in buffers}))
         if hasattr(buffers[0], "export_state"):
           state[f"tags/{name}"] = np.concatenate([b.export_state()[1].numpy() for b in buffers])
   if isinstance(optimizer, GBA):
-    state["tokens"] = optimizer._token_source().count().numpy()
+    state["tokens"] = optimizer.token_generator.count().numpy()
   return state
 
 

@@ -67,6 +67,7 @@ class Ratings:
   timestamps: np.ndarray           # int64 [n], non-decreasing
   vocab_sizes: Dict[str, int]
   malformed: Tuple[Tuple[str, int, str], ...]  # (file, line, problem) of each skipped row
+  stars: Optional[np.ndarray] = None  # int64 [n]: the rating itself, 1..5 (for rating models)
 
 
 class _Malformed(Exception):
@@ -206,7 +207,7 @@ def _load(key: Tuple) -> Ratings:
                  "occupation": len(OCCUPATIONS) + 1, "zip_prefix": len(zip_vocab) + 1,
                  "genre": NUM_GENRES + 1}
   return Ratings(features, (r[:, 2] >= 4).astype(np.float32), r[:, 3], vocab_sizes,
-                 tuple(malformed))
+                 tuple(malformed), stars=r[:, 2])
 
 
 def _warn(malformed: List[Tuple[str, int, str]]):

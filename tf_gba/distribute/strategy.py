@@ -31,6 +31,16 @@ MODES = modes_lib.MODES
 PS0_DEVICE = "/job:ps/replica:0/task:0/device:CPU:0"
 
 
+# Keras refuses a loss with the default reduction when the model itself calls it (not compile),
+# e.g. a TensorFlow Recommenders task, under any strategy; its own message is buried in a long
+# traceback and does not say what the reduction means here.
+LOSS_REDUCTION_HINT = (
+    "A Keras loss that the model calls itself (not one given to compile(), e.g. the loss of a "
+    "tfrs.tasks.Ranking) needs an explicit reduction under a distribution strategy: construct "
+    "it with reduction=tf.keras.losses.Reduction.SUM (each GBAStrategy worker is one replica, so "
+    "that sums over its local batch; use a learning rate for summed, not averaged, gradients).")
+
+
 class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
   """A ParameterServerStrategy whose workers push (token, gradient) to buffers on the PS.
 
@@ -347,7 +357,12 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
         info = self._begin_step(version, skip)
       deps = [t for t in tf.nest.flatten([info.token, info.reads]) if t is not None] + [start]
       with step_context.scope(info), tf.control_dependencies(deps):
-        outputs = fn(*a, **kw)
+        try:
+          outputs = fn(*a, **kw)
+        except ValueError as e:
+          if "tf.keras.losses.Reduction.SUM" not in str(e):
+            raise
+          raise ValueError(LOSS_REDUCTION_HINT) from None
       done = [t for t in tf.nest.flatten(outputs) if isinstance(t, tf.Tensor)]
       with tf.control_dependencies(done):
         delay = stragglers_lib.step_end(start, self._gba_stragglers, self._gba_straggler_seed)

@@ -93,6 +93,23 @@ def _current_gbar_olds(optimizer_id: int) -> Dict[int, Any]:
     return stack[-1] if stack else {}
 
 
+def _check_strategy(what: str) -> None:
+  """Refuses a distribution strategy without a pre-step reader hook.
+
+  Distributed, gbar_old must be read before each step (by GBAStrategy); without the hook every
+  update would silently be plain AdaGrad. Outside any strategy (one process, no delay) AdaGrad is
+  what Algorithm 1 reduces to.
+  """
+  if not tf.distribute.has_strategy():
+    return
+  strategy = tf.distribute.get_strategy()
+  if not hasattr(strategy, "register_pre_step_reader"):
+    raise RuntimeError(
+        f"AdaptiveRevision needs tf_gba.distribute.GBAStrategy (it reads gbar before each step) "
+        f"but was {what} under {type(strategy).__name__}: create, build and train it inside "
+        "GBAStrategy's scope.")
+
+
 @keras.utils.register_keras_serializable(package="tf_gba")
 class AdaptiveRevision(keras.optimizers.Optimizer):
   """Optimizer implementing AdaptiveRevision (McMahan & Streeter 2014, Algorithm 1).
@@ -138,6 +155,7 @@ class AdaptiveRevision(keras.optimizers.Optimizer):
     if "learning_rate" in kwargs:
       raise TypeError("AdaptiveRevision calls its learning-rate scale `alpha`; pass alpha=... "
                       "instead of learning_rate=...")
+    _check_strategy("created")
     super().__init__(name=name, jit_compile=False, **kwargs)
     g0 = float(g0)
     if not g0 > 0.0:
@@ -211,6 +229,7 @@ class AdaptiveRevision(keras.optimizers.Optimizer):
       strategy = tf.distribute.get_strategy()
     register = getattr(strategy, "register_pre_step_reader", None)
     if register is None:
+      _check_strategy("built")
       return
     self._pre_step_reader_name = f"AdaptiveRevision/{self.name}/gbar/{next(_reader_ids)}"
     register(self._pre_step_reader_name, self._snapshot_all_gbar)
@@ -266,6 +285,7 @@ class AdaptiveRevision(keras.optimizers.Optimizer):
 
     See the module docstring for where gbar_old comes from and the fallback without it.
     """
+    _check_strategy("applied")
     gbar_olds = {}
     info = step_context.current()
     name_ = self._pre_step_reader_name

@@ -1,4 +1,4 @@
-"""DTS: delayed and temporally sparse synchronous updates with error compensation (seed 004).
+"""DTS: delayed and temporally sparse synchronous updates with error compensation.
 
 Synchronous data-parallel SGD waits for the all-reduce of every step. DTS does not: each replica
 updates its own copy of the model with its local gradient at once, the all-reduce runs in the
@@ -15,16 +15,24 @@ gradients (SPEC section 3). Two knobs:
   local gradients are accumulated and the accumulation is all-reduced once, after the round's last
   step `b = r*p + p - 1`, and consumed at the end of step `b + t - 1` (Eq. 9/16 for t = 1).
 
-Design. This module owns the SGD / momentum update instead of wrapping a tf_keras optimizer,
-because the compensation is defined on the paper's momentum `u` (`u = m*u + g; w -= lr*u`, Eq. 4)
-and tf_keras SGD's velocity equals `-lr*u` only while the learning rate is constant; owning the
-update keeps every correction exact. The replicas' local models are the per-device copies of the
-model's mirrored variables (under `MirroredStrategy` one copy per logical device, under
+Design. `DTS` is a tf_keras optimizer that wraps a `tf_keras.optimizers.SGD` (with or without
+momentum): the inner optimizer's `iterations` and momentum slots are DTS's, so a checkpoint of
+synchronous training with the same SGD restores into DTS and back (only the "dts" entry is added).
+The compensation is defined on the paper's momentum `u` (`u = m*u + g; w -= lr*u`, Eq. 4); SGD's
+slot holds the velocity `v = -lr*u`, which is exact while the learning rate is constant, so DTS
+refuses learning-rate schedules (and the inner options that change the update: nesterov, clipping,
+weight decay, EMA). The replicas' local models are the per-device copies of the model's mirrored
+variables (under `MirroredStrategy` one copy per logical device, under
 `MultiWorkerMirroredStrategy` one per worker): every update here writes each copy with its own
 replica's values (`strategy.experimental_local_results`), never through the strategy's
 synchronising assign, so the copies diverge between corrections as the algorithm requires.
-The caller drives the schedule; `tf_gba.distribute.dts_training.DTSTrainer` does it with a real
-background all-reduce.
+
+Two drivers run the schedule, both with a real background all-reduce
+(`tf_gba.distribute.dts_training`): `model.fit(..., callbacks=[optimizer.exchange_callback()])`
+(the local step runs inside Keras' step function, through `apply_gradients`; the callback starts
+and consumes the exchanges between steps), and `DTSTrainer` for a custom loop. Keras calls no
+optimizer code between steps, and a collective inside the step would block it, which is why the
+exchange is a callback.
 
 State per variable, per replica (the compensation state):
 * `sum[k]`: for round slot k, the sum over the round's steps of the restarted momentum
@@ -55,33 +63,37 @@ Embedding gradients (`tf.IndexedSlices`): with plain SGD the local step and the 
 sparse scatters; the exchange and the correction are dense (the all-reduce sums whole tables).
 With momentum the gradient is made dense (the momentum touches every row anyway).
 
-Checkpoints: `tf.train.Checkpoint(optimizer=dts, ...)` saves `iterations` and *every replica's*
-copy of the compensation state (a plain checkpoint of a mirrored variable keeps only the first
-copy). With several replicas in one process it also saves every replica's copy of the model
-variables; those are written back by `finish_restore()` (the trainer calls it before its next
-step), after the model's own restore, which would otherwise overwrite all copies with the first.
-Under `MultiWorkerMirroredStrategy` each worker holds only its own copies, so each worker must save
-to and restore from its own checkpoint path. Exchanges in flight are not saved: their inputs are
-(the slots), and the trainer restarts them after a restore, which gives the same means.
+Checkpoints: `tf.train.Checkpoint(optimizer=dts, ...)` saves what the inner SGD saves
+(`iterations`, the momentum slots: the same names as synchronous training with that SGD, so
+checkpoints switch to and from Sync) plus a "dts" entry: *every replica's* copy of the compensation
+state and, with several replicas in one process, of the model variables and momentum slots (a
+plain checkpoint of a mirrored variable keeps only the first copy). Those copies are written back
+by `finish_restore()` (the drivers call it before their next step), after the model's own restore,
+which would otherwise overwrite all copies with the first. A synchronous checkpoint has no "dts"
+entry: its replicas are equal and no round is in flight, which is the state it restores. Under
+`MultiWorkerMirroredStrategy` each worker holds only its own copies, so each worker must save to
+and restore from its own checkpoint path. Exchanges in flight are not saved: their inputs are (the
+slots), and the drivers restart them after a restore, which gives the same means.
 
 Example:
 
   strategy = tf.distribute.MirroredStrategy(devices)
   with strategy.scope():
     model = make_model()
-    dts = DTS("momentum", learning_rate=0.05, momentum=0.9, delay=4, period=4)
-    dts.build(model.trainable_variables)
-  trainer = tf_gba.distribute.dts_training.DTSTrainer(strategy, dts, model.trainable_variables,
-                                                      loss_fn)
+    optimizer = tf_gba.optimizers.DTS(tf_keras.optimizers.SGD(0.1, momentum=0.9), delay=2,
+                                      period=2)
+    model.compile(optimizer=optimizer, loss="binary_crossentropy")
+  model.fit(dataset, epochs=1, steps_per_epoch=100,
+            callbacks=[optimizer.exchange_callback()])
 """
 
+import copy
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
-
-_INNER = ("sgd", "momentum")
+import tf_keras as keras
 
 
 def per_replica_nests(strategy: tf.distribute.Strategy, nest) -> List:
@@ -150,42 +162,111 @@ class _VarState:
     self.var, self.sum, self.end, self.momentum = var, sum_, end, momentum
 
 
-class DTS(tf.Module):
+@keras.utils.register_keras_serializable(package="tf_gba")
+class DTS(keras.optimizers.Optimizer):
   """Delayed (`delay`) and temporally sparse (`period`) SGD / momentum SGD with compensation.
 
+  tf_keras internals kept (no public equivalent): `inner._trackable_children` (the SGD's
+  checkpoint entries stand in DTS's place: Sync <-> DTS switching) and the base class's
+  `_build_index_dict` / `_var_key` (matching Keras' gradients to the built variables).
+
   Args:
-    inner: "sgd" or "momentum": the local update rule.
-    learning_rate: constant learning rate `lr` (the corrections assume it does not change).
-    momentum: `m` for inner="momentum" (ignored for "sgd").
+    inner: a `tf_keras.optimizers.SGD` with a constant learning rate; its `momentum` (0 for
+      plain SGD) is the local update's. Create it, and DTS, under the strategy's scope.
     delay: t >= 1; the exchange started after step s is consumed at the end of step s + t - 1.
     period: p >= 1; one exchange per p steps.
     name: name scope of the state variables.
   """
 
-  def __init__(self, inner: str = "sgd", learning_rate: float = 0.01, momentum: float = 0.9,
-               delay: int = 1, period: int = 1, name: str = "DTS"):
-    super().__init__(name=name)
-    if inner not in _INNER:
-      raise ValueError(f"inner must be one of {_INNER}, got {inner!r}")
+  def __init__(self, inner: keras.optimizers.Optimizer, delay: int = 1, period: int = 1,
+               name: str = "DTS", **kwargs):
+    if isinstance(inner, dict):
+      inner = keras.optimizers.deserialize(inner)
+    if not isinstance(inner, keras.optimizers.SGD):
+      raise ValueError(
+          f"DTS's inner optimizer must be a tf_keras.optimizers.SGD (momentum allowed), got "
+          f"{inner!r}: its compensation is defined for (momentum) SGD only.")
     if int(delay) != delay or delay < 1:
       raise ValueError(f"delay must be an integer >= 1 (1 = synchronous), got {delay!r}")
     if int(period) != period or period < 1:
       raise ValueError(f"period must be an integer >= 1 (1 = every step), got {period!r}")
-    if inner == "momentum" and not 0.0 <= momentum < 1.0:
-      raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-    if learning_rate <= 0:
-      raise ValueError(f"learning_rate must be > 0, got {learning_rate!r}")
-    self.inner = inner
-    self.learning_rate = float(learning_rate)
-    self.momentum = float(momentum) if inner == "momentum" else 0.0
+    # The public config names a schedule (a dict) where the learning rate is not a number.
+    if isinstance(inner.get_config()["learning_rate"], dict):
+      raise ValueError("DTS needs a constant learning rate (its corrections assume it): pass "
+                       "SGD(learning_rate=<float>), not a schedule.")
+    unsupported = [n for n in ("nesterov", "clipnorm", "clipvalue", "global_clipnorm",
+                               "weight_decay", "use_ema") if getattr(inner, n, None)]
+    if unsupported:
+      raise ValueError(f"DTS's inner SGD must not set {', '.join(unsupported)}: the compensation "
+                       "replays plain (momentum) SGD steps.")
+    if not 0.0 <= inner.momentum < 1.0:
+      raise ValueError(f"momentum must be in [0, 1), got {inner.momentum!r}")
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, (tf.distribute.MirroredStrategy,
+                                 tf.distribute.MultiWorkerMirroredStrategy)):
+      raise RuntimeError(
+          "DTS runs under a MirroredStrategy or MultiWorkerMirroredStrategy: create the model, the "
+          "SGD and DTS inside `with strategy.scope():`.")
+    if not strategy.extended.variable_created_in_scope(inner.iterations):
+      raise RuntimeError("DTS's inner SGD was created outside the strategy's scope: create it "
+                         "inside `with strategy.scope():`, like DTS.")
+    kwargs.pop("jit_compile", None)
+    kwargs.pop("is_legacy_optimizer", None)
+    super().__init__(name=name, jit_compile=False, **kwargs)
+    self._inner = inner
+    self.momentum = float(inner.momentum)
     self.delay = int(delay)
     self.period = int(period)
     self.num_slots = math.ceil((self.delay - 1) / self.period) + 1
     self.restore_generation = 0
-    self._strategy: Optional[tf.distribute.Strategy] = None
+    self._strategy = strategy
     self._state: List[_VarState] = []
+    self._dts_state = tf.Module(name="dts_state")
     self.local_models: Optional[_PerReplicaCopies] = None
-    self.iterations: Optional[tf.Variable] = None
+    self.exchange_driver = None  # Set by the driver of the schedule (callback or trainer).
+
+  # ---- delegation to the inner SGD ---------------------------------------------------------------
+  @property
+  def inner_optimizer(self) -> keras.optimizers.Optimizer:
+    return self._inner
+
+  @property
+  def strategy(self) -> tf.distribute.Strategy:
+    """The strategy DTS was created under (its replicas are the local models)."""
+    return self._strategy
+
+  @property
+  def inner(self) -> str:
+    """"momentum" or "sgd": the local update rule."""
+    return "momentum" if self.momentum else "sgd"
+
+  @property
+  def iterations(self):
+    return self._inner.iterations
+
+  @iterations.setter
+  def iterations(self, variable):
+    self._inner.iterations = variable
+
+  @property
+  def learning_rate(self):
+    return self._inner.learning_rate
+
+  @learning_rate.setter
+  def learning_rate(self, value):
+    self._inner.learning_rate = value
+
+  @property
+  def variables(self):
+    return self._inner.variables
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    # The inner SGD's children (iterations, momentum slots) stand in the wrapper's place, so a
+    # checkpoint of synchronous training with the same SGD restores into DTS and back; the
+    # compensation state and the per-replica copies are the added "dts" entry.
+    children = dict(self._inner._trackable_children(save_type, **kwargs))  # pylint: disable=protected-access
+    children["dts"] = self._dts_state
+    return children
 
   # ----------------------------------------------------------------------------------------------
   # Schedule: pure functions of the step number, identical on every worker.
@@ -231,7 +312,11 @@ class DTS(tf.Module):
 
   @property
   def built(self) -> bool:
-    return self.iterations is not None
+    return bool(self._state)
+
+  @built.setter
+  def built(self, value):
+    del value  # The tf_keras base class sets it; `built` here means "the state exists".
 
   @property
   def num_local_replicas(self) -> int:
@@ -240,45 +325,56 @@ class DTS(tf.Module):
     return len(self._strategy.experimental_local_results(self.iterations))
 
   def build(self, var_list: Sequence[tf.Variable]):
-    """Creates the state for `var_list`; call once, under the strategy's scope."""
+    """Creates the state for `var_list` (and the inner SGD's slots); idempotent."""
     if self.built:
-      raise RuntimeError("DTS.build() was already called")
-    self._strategy = tf.distribute.get_strategy()
-    momentum = self.inner == "momentum"
-    with self._strategy.scope(), tf.name_scope(self.name):
-      self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="iterations")
-      copies = {}
-      for i, var in enumerate(var_list):
-        slots = [self.num_slots] + var.shape.as_list()
-        zeros = lambda shape=slots, dtype=var.dtype: tf.zeros(shape, dtype)
-        state = _VarState(var, tf.Variable(zeros, trainable=False, name=f"sum_{i}"))
-        copies[f"sum_{i}"] = state.sum
-        if momentum:
-          state.end = tf.Variable(zeros, trainable=False, name=f"end_{i}")
-          state.momentum = tf.Variable(tf.zeros(var.shape, var.dtype), trainable=False,
-                                       name=f"momentum_{i}")
-          copies[f"end_{i}"] = state.end
-          copies[f"momentum_{i}"] = state.momentum
-        self._state.append(state)
-    # Attribute assignment makes these checkpoint dependencies (by name, so a restore that ran
-    # before build() is applied now).
-    self.state = _PerReplicaCopies(self._strategy, copies, on_restore=self._restored)
-    if self.num_local_replicas > 1:
-      self.local_models = _PerReplicaCopies(
-          self._strategy, {f"var_{i}": v for i, v in enumerate(var_list)}, deferred=True,
-          on_restore=self._restored)
+      return
+    var_list = list(var_list)
+    with tf.init_scope(), self._strategy.scope():
+      self._inner.build(var_list)
+      self._build_index_dict(var_list)
+      # SGD creates one momentum slot per variable, in `var_list` order.
+      slots = self._inner.momentums
+      copies, models = {}, {}
+      with tf.name_scope(self.name):
+        for i, var in enumerate(var_list):
+          shape = [self.num_slots] + var.shape.as_list()
+          zeros = lambda shape=shape, dtype=var.dtype: tf.zeros(shape, dtype)
+          state = _VarState(var, tf.Variable(zeros, trainable=False, name=f"sum_{i}"))
+          copies[f"sum_{i}"] = state.sum
+          models[f"var_{i}"] = var
+          if self.momentum:
+            state.end = tf.Variable(zeros, trainable=False, name=f"end_{i}")
+            state.momentum = slots[i]
+            copies[f"end_{i}"] = state.end
+            models[f"momentum_{i}"] = state.momentum
+          self._state.append(state)
+      # Attribute assignment makes these checkpoint dependencies (by name, so a restore that ran
+      # before build() is applied now).
+      self._dts_state.state = _PerReplicaCopies(self._strategy, copies, on_restore=self._restored)
+      if self.num_local_replicas > 1:
+        # The model and its momentum slots are mirrored variables, which a plain checkpoint keeps
+        # one copy of; their own restore writes that copy everywhere, so these copies are written
+        # after it, by finish_restore().
+        self.local_models = _PerReplicaCopies(self._strategy, models, deferred=True,
+                                              on_restore=self._restored)
+        self._dts_state.local_models = self.local_models
 
   def local_state(self, index: int) -> Dict[str, np.ndarray]:
     """The compensation state of built variable `index`, stacked over the local replicas.
 
     Keys: "sum" (`[replicas, num_slots, *shape]`), and for momentum "end" (same shape) and
-    "momentum" (`[replicas, *shape]`). For inspection and tests.
+    "momentum" (`[replicas, *shape]`: the paper's `u`, i.e. SGD's slot divided by `-lr`). For
+    inspection and tests.
     """
     self._check_built()
     state = self._state[index]
-    named = {"sum": state.sum, "end": state.end, "momentum": state.momentum}
-    return {name: np.stack([c.numpy() for c in self._strategy.experimental_local_results(v)])
-            for name, v in named.items() if v is not None}
+    out = {}
+    for name, v in (("sum", state.sum), ("end", state.end), ("momentum", state.momentum)):
+      if v is not None:
+        out[name] = np.stack([c.numpy() for c in self._strategy.experimental_local_results(v)])
+    if "momentum" in out:
+      out["momentum"] = out["momentum"] / -float(self._inner.learning_rate.numpy())
+    return out
 
   def _restored(self):
     self.restore_generation += 1
@@ -289,12 +385,61 @@ class DTS(tf.Module):
       self.local_models.apply_pending()
 
   def get_config(self) -> dict:
-    return {"inner": self.inner, "learning_rate": self.learning_rate, "momentum": self.momentum,
-            "delay": self.delay, "period": self.period, "name": self.name}
+    return {"name": self.name, "inner": keras.optimizers.serialize(self._inner),
+            "delay": self.delay, "period": self.period}
 
   @classmethod
-  def from_config(cls, config: dict) -> "DTS":
-    return cls(**config)
+  def from_config(cls, config: dict, custom_objects=None) -> "DTS":
+    # Deep: tf_keras' deserialize rewrites the class name inside the dict it is given.
+    config = copy.deepcopy(config)
+    inner = keras.optimizers.deserialize(config.pop("inner"), custom_objects=custom_objects)
+    return cls(inner, **config)
+
+  def exchange_callback(self, latency_ms: float = 0.0, exchange_timeout_s: float = 600.0,
+                        synchronize_at_end: bool = True):
+    """The Keras callback that runs DTS's exchanges under `model.fit` (pass it to fit)."""
+    # Imported here: the runtime lives in tf_gba.distribute, the layer below this one.
+    from tf_gba.distribute import dts_training  # pylint: disable=g-import-not-at-top
+    return dts_training.DTSExchangeCallback(self, latency_ms=latency_ms,
+                                            exchange_timeout_s=exchange_timeout_s,
+                                            synchronize_at_end=synchronize_at_end)
+
+  # ----------------------------------------------------------------------------------------------
+  # Keras entry: `model.fit` calls this in replica context with the replica's gradients.
+
+  def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False,
+                      **kwargs):
+    """The local step of every replica (no collective); `exchange_callback()` does the rest."""
+    del name, skip_gradients_aggregation, kwargs
+    if tf.distribute.get_strategy() is not self._strategy:
+      raise RuntimeError("DTS was created under a different strategy than the one applying it: "
+                         "create the model, the SGD and DTS under the same `strategy.scope()`.")
+    if self.exchange_driver is None:
+      raise RuntimeError("DTS under model.fit needs its exchange: pass "
+                         "callbacks=[optimizer.exchange_callback()] to fit.")
+    grads_and_vars = list(grads_and_vars)
+    context = tf.distribute.get_replica_context()
+    if context is None:
+      raise RuntimeError("DTS.apply_gradients runs in replica context (inside strategy.run or "
+                         "model.fit); in a custom loop use DTSTrainer.")
+    return context.merge_call(self._apply_merged, args=(grads_and_vars,))
+
+  def _apply_merged(self, strategy, grads_and_vars):
+    del strategy
+    if not self.built:
+      self.build([v for _, v in grads_and_vars])
+    by_key = {self._var_key(v): g for g, v in grads_and_vars}
+    # Keras scales each replica's loss by 1 / replicas so that the strategy's sum of the replicas'
+    # gradients is the mean: a replica's own step uses its gradient unscaled.
+    scale = float(self._strategy.num_replicas_in_sync)
+    grads = [by_key.get(self._var_key(state.var)) for state in self._state]
+    steps = self.iterations.read_value()
+    slot = tf.cast((steps // self.period) % self.num_slots, tf.int32)
+    self.apply_local(grads, slot, scale=scale)
+    return self.iterations
+
+  def update_step(self, gradient, variable):
+    raise NotImplementedError("DTS applies through apply_gradients(); call that instead.")
 
   # ----------------------------------------------------------------------------------------------
   # Updates, called in cross-replica context (inside tf.function) with per-replica values. Their
@@ -303,16 +448,17 @@ class DTS(tf.Module):
 
   def _check_built(self):
     if not self.built:
-      raise RuntimeError("call DTS.build(var_list) under the strategy scope first")
+      raise RuntimeError("DTS is not built yet: call optimizer.build(var_list) first.")
 
   @tf.autograph.experimental.do_not_convert
-  def apply_local(self, grads, slot):
+  def apply_local(self, grads, slot, scale: float = 1.0):
     """Local step on every replica: update its model copy and accumulate into round slot `slot`.
 
     Args:
       grads: list (one per built variable) of per-replica gradients (Tensor or IndexedSlices;
         None means zero).
       slot: int32 scalar tensor, `slot_of(round_of(step))`.
+      scale: factor on every gradient (Keras' per-replica loss scaling undone).
     """
     self._check_built()
     if len(grads) != len(self._state):
@@ -322,6 +468,9 @@ class DTS(tf.Module):
         continue
       var_copies = self._strategy.experimental_local_results(state.var)
       for r, g in enumerate(self._strategy.experimental_local_results(grad)):
+        if scale != 1.0:
+          g = (tf.IndexedSlices(g.values * scale, g.indices, g.dense_shape)
+               if isinstance(g, tf.IndexedSlices) else g * scale)
         with tf.device(var_copies[r].device):
           self._apply_local_one(state, r, var_copies[r], g, slot)
     self.iterations.assign_add(1)
@@ -344,10 +493,11 @@ class DTS(tf.Module):
       return
     g = tf.convert_to_tensor(g)
     m = tf.cast(self.momentum, var.dtype)
-    u = self._copy(state.momentum, r)
+    # SGD's slot is the velocity v = -lr * u, updated exactly as tf_keras SGD does.
+    v = self._copy(state.momentum, r)
     end = self._copy(state.end, r)
-    u_new = u.assign(m * u + g)
-    var.assign_sub(lr * u_new)
+    v_new = v.assign(-g * lr + v * m)
+    var.assign_add(v_new)
     restarted = m * tf.gather(end, slot) + g
     end.scatter_nd_update([[slot]], restarted[None])
     total.scatter_nd_add([[slot]], restarted[None])
@@ -390,5 +540,5 @@ class DTS(tf.Module):
           end = self._copy(state.end, r)
           d_end = mean[n + i] - tf.gather(end, slot)
           end.scatter_nd_update([[slot]], zero)
-          self._copy(state.momentum, r).assign_add(tf.cast(u_coef, var.dtype) * d_end)
+          self._copy(state.momentum, r).assign_sub(lr * tf.cast(u_coef, var.dtype) * d_end)
           var.assign_sub(lr * (d_sum + tf.cast(w_coef, var.dtype) * d_end))

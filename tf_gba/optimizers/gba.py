@@ -14,6 +14,7 @@ Example:
   model.compile(optimizer=optimizer, loss="binary_crossentropy")
 """
 
+import copy
 from typing import Dict, List, Optional
 
 import tensorflow as tf
@@ -63,6 +64,7 @@ def _track(state: _GBAState, name: str, resource) -> None:
     setattr(state, name, resource)
 
 
+@keras.utils.register_keras_serializable(package="tf_gba")
 class GBA(keras.optimizers.Optimizer):
   """Wraps a tf_keras optimizer so that it applies one aggregate per global batch.
 
@@ -80,7 +82,49 @@ class GBA(keras.optimizers.Optimizer):
       counting as zero, which is what the all-reduce Sync mode applies) or "per_id" (divide by
       the number of entries that contained the row, the paper's rule).
     nonfinite: "drop" (a gradient with NaN/Inf gets weight 0 and is counted) or "error".
+
+  Checkpoint layout, under the optimizer's path (`optimizer/` in `tf.train.Checkpoint(
+  optimizer=...)`, `model/optimizer/` when the model holds it):
+    * the inner optimizer's entries (`iter`, `_variables/<i>`, its slot lists), unchanged, so a
+      checkpoint moves between synchronous training with the inner optimizer and GBA;
+    * `gba/token_generator/count`: tokens handed out so far (int64);
+    * `gba/buffer_<i>/global_step`: aggregates applied to variable i, and for an embedding buffer
+      `gba/buffer_<i>/row_tags`: per row of that variable the global step of its last update
+      (-1: never). `i` is the variable's index in the optimizer's variable list (the
+      `model.trainable_variables` order, a sharded variable counting once per shard); a buffer is
+      made on its variable's first gradient, so a variable that never had one has no entry.
+  `GBA.STATE_KEY`, `GBA.TOKENS_KEY` and `GBA.buffer_key(i)` / `GBA.buffer_index(name)` name these;
+  `gba_state()` returns the live objects behind them.
+
+  tf_keras internals kept (no public equivalent): `inner._trackable_children` (the inner
+  optimizer's checkpoint entries stand in the wrapper's place: Sync <-> GBA switching),
+  `inner._compute_current_learning_rate` (advances a schedule once per step; the public
+  `apply_gradients` would also step `iterations` per variable), `inner._clip_gradients` and
+  `inner._use_weight_decay` (clipping and weight-decay exclusions exactly as the inner optimizer
+  applies them, to each aggregate), and the base class's `_build_index_dict` / `_var_key`
+  (the variable order that names the buffers).
+
+  Strategy: create GBA inside a `tf_gba.distribute.GBAStrategy`'s scope (the workers then share
+  the buffers on the parameter servers). Outside any strategy it aggregates the M gradients of
+  one process (single-process runs and tests). Created under another strategy, or applied under a
+  different strategy than the one it was created under, it raises RuntimeError.
   """
+
+  STATE_KEY = "gba"
+  TOKENS_KEY = "token_generator"
+  _BUFFER_PREFIX = "buffer_"
+
+  @classmethod
+  def buffer_key(cls, index: int) -> str:
+    """The checkpoint name, under `STATE_KEY`, of the buffer of variable `index`."""
+    return f"{cls._BUFFER_PREFIX}{index}"
+
+  @classmethod
+  def buffer_index(cls, name: str) -> Optional[int]:
+    """The variable index of a buffer's checkpoint name under `STATE_KEY`, or None."""
+    if name.startswith(cls._BUFFER_PREFIX) and name[len(cls._BUFFER_PREFIX):].isdigit():
+      return int(name[len(cls._BUFFER_PREFIX):])
+    return None
 
   def __init__(self, inner: keras.optimizers.Optimizer, num_aggregate: Optional[int] = None,
                global_batch_size: Optional[int] = None, local_batch_size: Optional[int] = None,
@@ -115,6 +159,11 @@ class GBA(keras.optimizers.Optimizer):
     # Validate now, with the user's arguments, rather than at the first training step.
     gba_ops.BufferConfig(num_aggregate=self._requested_m or 1, **self._config_args)
     strategy = tf.distribute.get_strategy()
+    if tf.distribute.has_strategy() and not hasattr(strategy, "register_num_aggregate"):
+      raise RuntimeError(
+          f"GBA needs tf_gba.distribute.GBAStrategy but was created under "
+          f"{type(strategy).__name__}: create the strategy with GBAStrategy(...) and the "
+          "optimizer inside its scope.")
     self._gba_strategy = strategy if hasattr(strategy, "register_num_aggregate") else None
     if self._gba_strategy is not None:
       self._num_aggregate = self._gba_strategy.register_num_aggregate(self._requested_m)
@@ -124,6 +173,7 @@ class GBA(keras.optimizers.Optimizer):
       self._num_aggregate = self._requested_m or 1
     self._gba_state = _GBAState()
     self._buffers: Dict[int, object] = {}
+    self._variables_by_key: Dict[int, object] = {}
     self._sparse_keys: set = set()
     self._buffer_order: List[int] = []
     self._local_tokens = None
@@ -167,7 +217,7 @@ class GBA(keras.optimizers.Optimizer):
     # The inner optimizer's children stand in the wrapper's place, so a checkpoint written with
     # plain Adam (synchronous training) restores into GBA(Adam) and back: only "gba" is added.
     children = dict(self._inner._trackable_children(save_type, **kwargs))  # pylint: disable=protected-access
-    children["gba"] = self._gba_state
+    children[self.STATE_KEY] = self._gba_state
     return children
 
   # ---- building ----------------------------------------------------------------------------------
@@ -196,7 +246,7 @@ class GBA(keras.optimizers.Optimizer):
       floor = step * tokens.num_aggregate
       if int(tokens.count().numpy()) < floor:
         tokens.reset(floor)
-      _track(self._gba_state, "token_generator", tokens)
+      _track(self._gba_state, self.TOKENS_KEY, tokens)
     self._built = True
 
   def _buffer_for(self, var, grad):
@@ -220,16 +270,61 @@ class GBA(keras.optimizers.Optimizer):
         buf = gba_ops.DenseBuffer(var.shape, var.dtype, config, device=var.device,
                                   initial_step=step, name="dense_buffer")
       # Named by the variable's index in the model's trainable variables: stable across runs.
-      _track(self._gba_state, f"buffer_{index}", buf)
+      _track(self._gba_state, self.buffer_key(index), buf)
       self._buffers[key] = buf
+      self._variables_by_key[key] = var
       self._buffer_order.append(key)
     return buf
+
+  # ---- state ---------------------------------------------------------------------------------------
+  @property
+  def is_built(self) -> bool:
+    """Whether `build(var_list)` ran (the inner optimizer's slots exist)."""
+    return bool(getattr(self, "_built", False))
+
+  @property
+  def token_generator(self) -> gba_ops.TokenGenerator:
+    """The token source: the GBAStrategy's (on PS 0), or this process's outside a strategy."""
+    return self._token_source()
+
+  def variable_index(self, variable) -> int:
+    """`variable`'s index in the optimizer's variable list (its buffer is `buffer_key(index)`)."""
+    if not self.is_built:
+      raise ValueError("GBA is not built yet: call optimizer.build(model.trainable_variables).")
+    key = self._var_key(variable)
+    if key not in self._index_dict:
+      raise ValueError(f"The optimizer was not built with {variable.name}: build it with "
+                       "optimizer.build(model.trainable_variables).")
+    return self._index_dict[key]
+
+  def buffer(self, variable, sparse: bool):
+    """`variable`'s buffer (SparseBuffer if `sparse`), made now if no gradient made it yet.
+
+    Call eagerly, on the coordinator. Refuses the other kind than an existing buffer's.
+    """
+    # The buffer's kind follows the gradient's type; an empty one says which without a push.
+    marker = tf.IndexedSlices(tf.zeros([0]), tf.zeros([0], tf.int64)) if sparse else None
+    return self._buffer_for(variable, marker)
+
+  def gba_state(self) -> dict:
+    """The live GBA state, by checkpoint name (see the class docstring's layout).
+
+    Returns {"token_generator": TokenGenerator, "buffers": {index: {"variable", "buffer",
+    "sparse"}}} for the buffers made so far, `index` as in `buffer_key(index)`.
+    """
+    buffers = {}
+    for key in self._buffer_order:
+      index = self._index_dict[key]
+      buffers[index] = {"variable": self._variables_by_key[key], "buffer": self._buffers[key],
+                        "sparse": key in self._sparse_keys}
+    return {self.TOKENS_KEY: self._token_source(), "buffers": buffers}
 
   # ---- applying ----------------------------------------------------------------------------------
   def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False,
                       **kwargs):
     """Pushes each gradient to its buffer; applies the inner update where a batch completes."""
     del skip_gradients_aggregation, kwargs  # one replica per worker: nothing to all-reduce
+    self._check_strategy()
     grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
     if not grads_and_vars:
       return self.iterations
@@ -266,6 +361,26 @@ class GBA(keras.optimizers.Optimizer):
         tf.cond(leader_ready, lambda: self.iterations.assign_add(1).op, tf.no_op)
       return self.iterations
 
+  def _check_strategy(self):
+    """Refuses to run under another strategy than the one GBA was created under.
+
+    Created under a GBAStrategy, GBA pushes to buffers that every worker shares; created outside
+    any strategy it aggregates in this process only (single-process use). Either applied under
+    another strategy would silently train something else.
+    """
+    current = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    if current is self._gba_strategy:
+      return
+    if self._gba_strategy is None:
+      raise RuntimeError(
+          f"GBA was created outside any strategy but runs under {type(current).__name__}: "
+          "create the optimizer inside `with strategy.scope():` of a "
+          "tf_gba.distribute.GBAStrategy.")
+    raise RuntimeError(
+        f"GBA was created under a GBAStrategy but runs under "
+        f"{type(current).__name__ if current else 'no strategy'}: apply it under the strategy "
+        "whose scope created it (model.compile and fit inside that scope).")
+
   def _push_and_maybe_apply(self, token, ticket, grad, var):
     buf = self._buffer_for(var, grad)
     with tf.device(var.device):
@@ -288,7 +403,7 @@ class GBA(keras.optimizers.Optimizer):
     if inner.weight_decay and inner._use_weight_decay(var):  # pylint: disable=protected-access
       lr = tf.cast(inner.learning_rate, var.dtype)
       var.assign_sub(var * tf.cast(inner.weight_decay, var.dtype) * lr)
-    inner._update_step(aggregate, var)  # pylint: disable=protected-access
+    inner.update_step(aggregate, var)
     if var.constraint is not None:
       var.assign(var.constraint(var))
 
@@ -325,6 +440,7 @@ class GBA(keras.optimizers.Optimizer):
 
   @classmethod
   def from_config(cls, config, custom_objects=None):
-    config = dict(config)
+    # Deep: tf_keras' deserialize rewrites the class name inside the dict it is given.
+    config = copy.deepcopy(config)
     inner = keras.optimizers.deserialize(config.pop("inner"), custom_objects=custom_objects)
     return cls(inner, **config)

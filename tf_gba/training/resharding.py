@@ -22,6 +22,8 @@ the state:
 under a `GBAStrategy`): it matches each saved object to the target's by its path in the
 checkpoint's object graph (the way TF matches them), reads each target shard's rows of every
 logical tensor, re-splits the GBA row tags by rows, and aligns the token count with the global step.
+The GBA part goes through GBA's public state API (`GBA.STATE_KEY`, `buffer_index`,
+`variable_index`, `buffer`, `gba_state`, `token_generator`) and its documented checkpoint layout.
 
 Example:
 
@@ -33,7 +35,7 @@ Example:
   report = restore_training_state(checkpoint_path, model, optimizer)
 """
 
-from typing import List, Tuple
+from typing import List
 
 import numpy as np
 import tensorflow as tf
@@ -76,7 +78,10 @@ def restore_training_state(checkpoint_path: str, model, optimizer) -> dict:
       with another full shape or dtype. Nothing is assigned in that case.
   """
   prefix = _checkpoint_prefix(checkpoint_path)
-  if not getattr(optimizer, "_built", False):
+  # tf_keras optimizers have no public "built" flag; GBA has.
+  built = (optimizer.is_built if isinstance(optimizer, GBA)
+           else getattr(optimizer, "_built", False))
+  if not built:
     raise ValueError(
         "The optimizer has no slots yet: call optimizer.build(model.trainable_variables) (under "
         "the strategy's scope) before restore_training_state, so that each slot already lives on "
@@ -168,7 +173,7 @@ def _match(graph, prefix, model, optimizer):
       name, child_path = child.local_name, f"{path}/{child.local_name}"
       if obj is model and name == "optimizer":
         target = optimizer
-      elif obj is optimizer and name == "gba" and isinstance(optimizer, GBA):
+      elif obj is optimizer and name == GBA.STATE_KEY and isinstance(optimizer, GBA):
         gba_node = child.node_id  # per-shard state: mapped by rows in _plan_gba
         continue
       else:
@@ -280,44 +285,33 @@ def _assign(prefix, key, target, full_shape) -> None:
 def _saved_rows(debug: bytes, key: str, full_shape) -> List[int]:
   """Row counts of the slices the tensor `key` was saved in (one count if it was saved whole).
 
-  The checkpoint reader hands out whole tensors only; its debug listing also names each saved
-  slice, by a key that encodes (0, name, rank, start_0, length_0, ...) in TF's OrderedCode
-  (tensorflow/core/util/saved_tensor_slice_util.cc). ShardedVariables are split along the first
-  dimension, so only start_0 and length_0 are decoded.
+  The checkpoint reader hands out whole tensors only; its listing (`debug_string()`) also has one
+  line per saved slice: the slice's key, its dtype and its shape in words (`(DT_FLOAT) [6,2]`).
+  The lines come in key order, and a tensor's slice keys sort by their first row, so the rows of
+  the shapes, in order, are the slices' row counts (ShardedVariables split the first dimension
+  only). Only the key's name part is matched (its escaping of 0x00 and 0xff bytes); the offsets
+  encoded after it are not decoded.
   """
   rows = int(full_shape[0]) if full_shape else 1
   name = key.encode().replace(b"\xff", b"\xff\x00").replace(b"\x00", b"\x00\xff")
   marker = b"\n\x00" + name + b"\x00\x01"
   slices, pos = [], debug.find(marker)
   while pos >= 0:
-    p = pos + len(marker)
-    p += 1 + debug[p]  # the rank: a length byte, then big-endian bytes
-    start, p = _ordered_code_signed(debug, p)
-    length, p = _ordered_code_signed(debug, p)
-    slices.append((start, rows - start if length < 0 else length))
-    pos = debug.find(marker, p)
+    dtype = debug.find(b" (DT_", pos + len(marker))
+    open_, close = debug.find(b") [", dtype), debug.find(b"]\n", dtype)
+    if min(dtype, open_, close) < 0:
+      raise CheckpointMismatchError(f"Cannot read the slices of {key} from the checkpoint's "
+                                    "listing: it was not written by this TensorFlow's saver.")
+    shape = debug[open_ + 3:close].split(b",")
+    slices.append(int(shape[0]))
+    pos = debug.find(marker, close)
   if not slices:
     return [rows]
-  slices.sort()
-  if [s for s, _ in slices] != list(np.cumsum([0] + [n for _, n in slices[:-1]])) or (
-      sum(n for _, n in slices) != rows):
+  if sum(slices) != rows:
     raise CheckpointMismatchError(
-        f"{key} was saved in slices (start row, rows) {slices} that are not whole rows of its "
-        f"{rows}: it was not written by a ShardedVariable, the only partitioning handled here.")
-  return [n for _, n in slices]
-
-
-def _ordered_code_signed(buf: bytes, p: int) -> Tuple[int, int]:
-  """Decodes OrderedCode::WriteSignedNumIncreasing at `p`; returns (value, next position)."""
-  first = buf[p]
-  flip = 0 if first & 0x80 else 0xFF  # negative numbers are stored complemented
-  n = 0
-  while n < 8 and (first ^ flip) & (0x80 >> n):
-    n += 1  # the leading one bits give the length in bytes
-  if n == 8:
-    raise ValueError("Slice offsets above 2**48 rows are not supported.")
-  raw = int.from_bytes(bytes(b ^ flip for b in buf[p:p + n]), "big") & ((1 << (7 * n - 1)) - 1)
-  return (~raw if flip else raw), p + n
+        f"{key} was saved in slices of {slices} rows that do not add up to its {rows}: it was "
+        "not written by a ShardedVariable, the only partitioning handled here.")
+  return slices
 
 
 # ---- GBA state -----------------------------------------------------------------------------------
@@ -335,12 +329,12 @@ def _plan_gba(reader, graph, gba_node, model, optimizer, saved_rows_of):
   saved, count = {}, None
   for child in graph.nodes[gba_node].children if gba_node is not None else []:
     keys = {a.name: a.checkpoint_key for a in graph.nodes[child.node_id].attributes}
-    if child.local_name == "token_generator" and "count" in keys:
+    index = GBA.buffer_index(child.local_name)
+    if child.local_name == GBA.TOKENS_KEY and "count" in keys:
       count = int(reader.get_tensor(keys["count"]))
-    elif child.local_name.startswith("buffer_") and "global_step" in keys:
+    elif index is not None and "global_step" in keys:
       tags = reader.get_tensor(keys["row_tags"]) if "row_tags" in keys else None
-      saved[int(child.local_name[len("buffer_"):])] = (
-          int(reader.get_tensor(keys["global_step"])), tags)
+      saved[index] = (int(reader.get_tensor(keys["global_step"])), tags)
 
   plan, index = [], 0
   for logical, shards in _logical_trainable_variables(model, optimizer) if saved else []:
@@ -382,7 +376,7 @@ def _apply_gba(optimizer, plan, count, num_saved, from_checkpoint) -> dict:
   step = int(optimizer.iterations.numpy())  # restored by now
   done = set()
   for shard, sparse, shard_step, tags in plan:
-    buffer = _buffer(optimizer, shard, sparse)
+    buffer = optimizer.buffer(shard, sparse)
     if sparse:
       buffer.import_state(step if shard_step is None else shard_step, tags)
     else:
@@ -390,7 +384,8 @@ def _apply_gba(optimizer, plan, count, num_saved, from_checkpoint) -> dict:
     done.add(id(buffer))
   # Buffers the target already had (it trained before this restore) and the checkpoint has nothing
   # for start afresh at the restored step: their old steps and tags belong to another run.
-  for buffer in optimizer._buffers.values():  # pylint: disable=protected-access
+  for entry in optimizer.gba_state()["buffers"].values():
+    buffer = entry["buffer"]
     if id(buffer) not in done:
       if hasattr(buffer, "import_state"):
         buffer.import_state(step, np.full(buffer.num_rows, -1, np.int64))
@@ -398,7 +393,7 @@ def _apply_gba(optimizer, plan, count, num_saved, from_checkpoint) -> dict:
         buffer.set_step(step)
   # Tokens: the saved count, never behind the global step (as GBA.build does after a restore). A
   # plain-optimizer checkpoint has none; without this every gradient would look `step` steps old.
-  tokens = optimizer._token_source()  # pylint: disable=protected-access
+  tokens = optimizer.token_generator
   current = int(tokens.count().numpy()) if count is None else count
   tokens.reset(max(current, step * tokens.num_aggregate))
   return {"token_count": int(tokens.count().numpy()), "saved_buffers": num_saved,
@@ -412,21 +407,10 @@ def _logical(v):
 
 def _logical_trainable_variables(model, optimizer):
   """[(logical variable, [its shards])], in the order of the optimizer's variable list."""
-  index = optimizer._index_dict  # pylint: disable=protected-access
   groups = {}
   for v in model.trainable_variables:
-    key = optimizer._var_key(v)  # pylint: disable=protected-access
-    if key not in index:
-      raise ValueError(f"The optimizer was not built with {v.name}: build it with "
-                       "optimizer.build(model.trainable_variables).")
-    groups.setdefault(id(_logical(v)), (_logical(v), []))[1].append((index[key], v))
+    groups.setdefault(id(_logical(v)), (_logical(v), []))[1].append(
+        (optimizer.variable_index(v), v))
   ordered = sorted(groups.values(), key=lambda g: min(i for i, _ in g[1]))
   return [(logical, [v for _, v in sorted(shards, key=lambda t: t[0])])
           for logical, shards in ordered]
-
-
-def _buffer(optimizer, shard, sparse: bool):
-  # GBA creates a shard's buffer on its first gradient and picks the kind from the gradient's
-  # type; an empty IndexedSlices (or None, for dense) says which kind without pushing anything.
-  marker = tf.IndexedSlices(tf.zeros([0]), tf.zeros([0], tf.int64)) if sparse else None
-  return optimizer._buffer_for(shard, marker)  # pylint: disable=protected-access

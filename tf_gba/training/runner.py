@@ -595,45 +595,8 @@ def _add_data_list(summary: dict, report: dict, config: TrainConfig) -> None:
 
 def _run_dts(config: TrainConfig) -> dict:
   """DTS: one MultiWorkerMirroredStrategy process per worker on 127.0.0.1."""
-  if os.environ.get("TF_CONFIG"):
-    raise ValueError("--mode=dts runs its workers on this machine; on a real cluster call "
-                     "tf_gba.training.dts_job.run_worker on every worker with its TF_CONFIG.")
-  from tf_gba.distribute.collective_cluster import run_collective_cluster  # pylint: disable=g-import-not-at-top
-  _log(f"tf_gba: mode=dts model={config.model} data={config.data} "
-       f"workers={config.num_workers} delay={config.dts_delay} period={config.dts_period} "
-       f"latency={config.dts_latency_ms} ms inner={config.dts_inner} lr={config.learning_rate}")
-  t0 = time.time()
-  results = run_collective_cluster(
-      "tf_gba.training.dts_job:run_worker", num_workers=config.num_workers,
-      kwargs={"config": dataclasses.asdict(config)}, timeout_s=3600.0,
-      log_dir=os.path.join(config.model_dir, "worker_logs"))
-  wall = time.time() - t0
-  first = results[0]
-  steps_run = int(first.get("steps_run", first.get("steps", 0))) * config.num_workers
-  qps = float(first.get("examples_per_sec") or first.get("steps_per_sec", 0.0) *
-              config.local_batch_size * config.num_workers)
-  summary = {
-      "mode": "dts", "model": config.model, "data": config.data, "num_ps": 0,
-      "num_workers": config.num_workers, "num_aggregate": 1,
-      "local_batch_size": config.local_batch_size,
-      "global_batch_size": config.local_batch_size * config.num_workers,
-      "dts_delay": config.dts_delay, "dts_period": config.dts_period,
-      "dts_latency_ms": config.dts_latency_ms, "stragglers": "none",
-      "steps": steps_run, "examples": steps_run * config.local_batch_size,
-      "wall_seconds": wall, "global_qps": qps,
-      "qps_measured_over_steps": steps_run,
-      "per_worker": [{"worker": i, "steps": int(r.get("steps_run", 0)),
-                      "qps": qps / config.num_workers,
-                      "injected_delay_seconds": 0.0} for i, r in enumerate(results)],
-      "global_step": int(first.get("steps_run", 0)), "start_global_step": 0,
-      "pushes": steps_run, "mean_staleness": 0.0, "max_staleness": 0,
-      "staleness_histogram": [], "dropped_batches": 0, "dropped_gradients": 0,
-      "dropped_embedding_rows": 0, "nonfinite_gradients": 0, "duplicate_pushes": 0,
-      "final_train_loss": first.get("final_loss"), "eval_auc": first.get("eval_auc"),
-      "eval_logloss": first.get("eval_log_loss"), "eval_examples": first.get("eval_examples"),
-      "checkpoint": os.path.join(config.model_dir, "dts"),
-      "exchanges": first.get("exchanges"), "blocked_seconds": first.get("blocked_seconds"),
-  }
+  from tf_gba.training import dts_job  # pylint: disable=g-import-not-at-top
+  summary = dts_job.run(config)
   with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   print_summary(summary)

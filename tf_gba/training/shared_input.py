@@ -230,7 +230,7 @@ class SharedInput:
     if self.config.mode != "gba" or not hasattr(optimizer, "_token_source"):
       return 0
     m = self.strategy.num_aggregate
-    missing = (-int(optimizer._token_source().count().numpy())) % m  # pylint: disable=protected-access
+    missing = (-int(optimizer.token_generator.count().numpy())) % m
     if not missing:
       return 0
     variables = list(model.trainable_variables)

@@ -35,8 +35,8 @@ import tf_keras as keras
 from tf_gba import data as data_lib
 from tf_gba import models as models_lib
 from tf_gba.distribute import stragglers as stragglers_lib
-from tf_gba.distribute.dts_training import evaluate_binary
 from tf_gba.training import config as config_lib
+from tf_gba.training.dts_job import evaluate_binary
 from tf_gba.training import preflight
 from tf_gba.training import resharding
 from tf_gba.training.config import TrainConfig
