@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
+from tf_gba.common import metrics
 from tf_gba.distribute.latency import AsyncAllReduce
 from tf_gba.optimizers.dts import DTS
 
@@ -221,19 +222,9 @@ def _worker_checkpoint_dir(checkpoint_dir: str, strategy) -> str:
 
 
 def evaluate_binary(model, dataset) -> Dict[str, float]:
-  """AUC and log loss of `model` (probabilities) on a dataset of (features, labels) batches."""
-  # Imported here: tf_gba.training's package imports the training runner, which may import this
-  # module.
-  from tf_gba.training import metrics  # pylint: disable=g-import-not-at-top
-
-  predict = tf.function(lambda x: model(x, training=False))
-  labels, scores = [], []
-  for features, y in dataset:
-    labels.append(np.reshape(y.numpy(), [-1]))
-    scores.append(np.reshape(predict(features).numpy(), [-1]))
-  labels, scores = np.concatenate(labels), np.concatenate(scores)
-  return {"auc": metrics.auc(labels, scores), "log_loss": metrics.logloss(labels, scores),
-          "examples": int(labels.size)}
+  """AUC and log loss ("log_loss", as train_dts's summary names it) of `model` on `dataset`."""
+  result = metrics.evaluate_binary(model, dataset)
+  return {"auc": result["auc"], "log_loss": result["logloss"], "examples": result["examples"]}
 
 
 def train_dts(model_fn: Callable[[], keras.Model],

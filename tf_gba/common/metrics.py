@@ -1,4 +1,5 @@
-"""Evaluation metrics computed exactly in NumPy (no threshold buckets)."""
+"""Evaluation metrics computed exactly in NumPy (no threshold buckets), and the evaluation of a
+binary classifier that every training job reports: {"auc", "logloss", "examples"}."""
 
 import numpy as np
 
@@ -28,3 +29,17 @@ def logloss(labels, probs, eps: float = 1e-7) -> float:
   labels = np.asarray(labels, np.float64).ravel()
   p = np.clip(np.asarray(probs, np.float64).ravel(), eps, 1 - eps)
   return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
+
+
+def evaluate_binary(model, dataset) -> dict:
+  """AUC and log loss of `model` (probabilities) on a dataset of (features, labels) batches."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  predict = tf.function(lambda x: model(x, training=False))
+  labels, scores = [], []
+  for features, y in dataset:
+    labels.append(np.reshape(y.numpy(), [-1]))
+    scores.append(np.reshape(predict(features).numpy(), [-1]))
+  labels, scores = np.concatenate(labels), np.concatenate(scores)
+  return {"auc": auc(labels, scores), "logloss": logloss(labels, scores),
+          "examples": int(labels.size)}
