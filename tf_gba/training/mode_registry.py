@@ -27,10 +27,9 @@ mode runs): the binary reads it for its flags before TensorFlow is loaded.
 
 import dataclasses
 import importlib
-from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
-if TYPE_CHECKING:  # pragma: no cover
-  from tf_gba.training.config import TrainConfig
+# "TrainConfig" below is tf_gba.training.config.TrainConfig, not imported: config reads this module.
 
 # Job families: parameter-server modes run under GBAStrategy with model.fit (training/runner.py),
 # collective ones run one process per worker on an all-reduce strategy.
