@@ -166,8 +166,8 @@ def run_worker(config: dict) -> dict:
 
   def replica_step(batch):
     features, labels = batch
-    start = stragglers_lib.step_begin()
-    with tf.control_dependencies([start]):
+    start = stragglers_lib.timed_step_start(profile)
+    with tf.control_dependencies([] if start is None else [start]):
       with tf.GradientTape() as tape:
         probs = tf.reshape(model(features, training=True), [-1, 1])
         loss = tf.reduce_mean(bce(tf.reshape(tf.cast(labels, probs.dtype), [-1, 1]), probs))
@@ -183,7 +183,7 @@ def run_worker(config: dict) -> dict:
     computed = [t for t in tf.nest.flatten([loss, grads], expand_composites=True)
                 if t is not None]
     with tf.control_dependencies(computed):
-      delay = stragglers_lib.step_end(start, profile, cfg.straggler_seed)
+      delay = stragglers_lib.timed_step_end(start, profile, cfg.straggler_seed)
     with tf.control_dependencies([delay]):
       grads = [None if g is None else tf.nest.map_structure(tf.identity, g,
                                                             expand_composites=True)

@@ -93,6 +93,16 @@ class StepEndOp : public OpKernel {
   StragglerProfile profile_;
 };
 
+class StepCountOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = g_steps.fetch_add(1) + 1;
+  }
+};
+
 class WorkerStepStatsOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -129,6 +139,7 @@ class SetStepPositionOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("GBA>StepBegin").Device(::tensorflow::DEVICE_CPU), StepBeginOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>StepEnd").Device(::tensorflow::DEVICE_CPU), StepEndOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>StepCount").Device(::tensorflow::DEVICE_CPU), StepCountOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>SetStepPosition").Device(::tensorflow::DEVICE_CPU),
                         SetStepPositionOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>WorkerStepStats").Device(::tensorflow::DEVICE_CPU),
