@@ -158,6 +158,12 @@ def run_worker(config: dict) -> dict:
         num_shards=ctx.num_input_pipelines, shard_index=ctx.input_pipeline_id, day=cfg.day,
         repeat=True, shuffle_seed=cfg.seed, strict=cfg.strict_data, **options)
 
+  # A loop of its own rather than model.fit (which the parameter-server modes use): the straggler
+  # delay must stretch this worker's compute and come before the all-reduce (see replica_step),
+  # and Keras's train_step computes and applies the gradients (all-reduce included) in one call;
+  # periodic checkpoints by time are agreed on by all workers through a collective at the same
+  # step, and the loss logged is the mean over workers, which fit's logs are not under
+  # MultiWorkerMirroredStrategy.
   iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
   variables = model.trainable_variables
   # Per example, averaged here: the same mean binary cross-entropy as the other modes' compiled
