@@ -160,10 +160,8 @@ def run_worker(config: dict) -> dict:
 
   # A loop of its own rather than model.fit (which the parameter-server modes use): the straggler
   # delay must stretch this worker's compute and come before the all-reduce (see replica_step),
-  # and Keras's train_step computes and applies the gradients (all-reduce included) in one call;
-  # periodic checkpoints by time are agreed on by all workers through a collective at the same
-  # step, and the loss logged is the mean over workers, which fit's logs are not under
-  # MultiWorkerMirroredStrategy.
+  # while Keras's train_step computes and applies the gradients, all-reduce included, in one call
+  # with no place between the two.
   iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
   variables = model.trainable_variables
   # Per example, averaged here: the same mean binary cross-entropy as the other modes' compiled
