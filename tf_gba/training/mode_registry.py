@@ -155,8 +155,9 @@ def _baseline_global_batch(config) -> int:
   return _m_baseline(config) * config.local_batch_size
 
 
-# Flags every parameter-server mode reads: the shared data list, the buffers' embedding divisor,
-# stragglers, the coordinator's restarts, periodic checkpoints and the next-day evaluation.
+# Flags of every mode but DTS (whose job has none of these): stragglers, periodic checkpoints and
+# the next-day evaluation. PS_FLAGS adds the parameter-server modes' own: the shared data list, the
+# buffers' embedding divisor and the coordinator's restarts.
 _COMMON = frozenset({"stragglers", "straggler_seed", "checkpoint_every_steps",
                      "checkpoint_every_secs", "keep_checkpoints", "eval_day"})
 PS_FLAGS = _COMMON | {"input", "tfdata_workers", "tfdata_dispatcher", "stall_timeout_s",
