@@ -102,8 +102,9 @@ class TrainConfig:
 
   @property
   def uses_data_list(self) -> bool:
-    return self.mode in mode_registry.names(mode_registry.PARAMETER_SERVER) and \
-        self.input == "shared"
+    # (An unknown mode is not one: validate() names it.)
+    return (self.mode in mode_registry.names(mode_registry.PARAMETER_SERVER) and
+            self.input == "shared")
 
   def data_kwargs(self) -> dict:
     """`--data_options` ("key=value,...") as keyword arguments of the data source.
