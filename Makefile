@@ -35,8 +35,8 @@ build: $(EDITABLE)
 # DTS's tests need TensorFlow's context created with 4 logical CPUs (MirroredStrategy replicas),
 # which must be configured before anything initialises TensorFlow: they run in their own process.
 test: build
-	$(PY) -m pytest -q tests --ignore=tests/test_dts.py $(PYTEST_ARGS)
-	$(PY) -m pytest -q tests/test_dts.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests --ignore=tests/optimizers/test_dts.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests/optimizers/test_dts.py $(PYTEST_ARGS)
 
 # The main job: DeepFM on synthetic data with GBA, 1 PS + 4 worker processes on 127.0.0.1, under
 # transient stragglers (every step 4x slower with p=0.2) plus worker 0 persistently 2x slower.

@@ -12,7 +12,7 @@ import pytest
 from tf_gba.training import mode_registry
 from tf_gba.training.config import TrainConfig
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _reference_m(mode, n, local, global_batch=None, b2=None, b3=None):
