@@ -42,6 +42,14 @@ int64_t UnixNs() {
       .count();
 }
 
+// First step of this process: starts the clock a trace profile and the straggler position read
+// (also without a profile, so that a checkpoint's position is the same with or without one).
+void MarkFirstStep(int64_t now) {
+  if (g_first_mono_ns.load() != 0) return;
+  int64_t expected = 0;
+  if (g_first_mono_ns.compare_exchange_strong(expected, now)) g_first_unix_ns = UnixNs();
+}
+
 }  // namespace
 
 class StepBeginOp : public OpKernel {
@@ -49,8 +57,7 @@ class StepBeginOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     const int64_t now = MonoNs();
-    int64_t expected = 0;
-    if (g_first_mono_ns.compare_exchange_strong(expected, now)) g_first_unix_ns = UnixNs();
+    MarkFirstStep(now);
     Tensor* out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<int64_t>()() = now;
@@ -97,6 +104,7 @@ class StepCountOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
+    MarkFirstStep(MonoNs());
     Tensor* out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<int64_t>()() = g_steps.fetch_add(1) + 1;

@@ -268,7 +268,8 @@ REGISTER_OP("GBA>StepCount")
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
     .Doc(R"doc(
 Counts a step on this worker without timing it and returns the count so far: what a step runs
-when no straggler profile is set (GBA>StepEnd counts the steps it times and stretches).
+when no straggler profile is set (GBA>StepEnd counts the steps it times and stretches). Like
+GBA>StepBegin, the process's first call starts the clock of its straggler position.
 )doc");
 
 REGISTER_OP("GBA>WorkerStepStats")
