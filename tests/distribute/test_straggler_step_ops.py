@@ -50,9 +50,22 @@ def test_step_count_counts_like_step_end():
   before = int(ops.gba_worker_step_stats().numpy()[0])
   counts = [int(ops.gba_step_count()) for _ in range(3)]
   assert counts == [before + 1, before + 2, before + 3]
+  # The first step of the process started its clock (the straggler position's).
+  stats = ops.gba_worker_step_stats().numpy()
+  assert stats[3] > 0 and stats[5] > 0
   delay = ops.gba_step_end(ops.gba_step_begin(), profile="none", seed=0)
   assert float(delay) == 0.0
   assert int(ops.gba_worker_step_stats().numpy()[0]) == before + 4
+
+
+def _train_step(strategy, v):
+  def replica_fn():
+    return v.assign_add(1.0)
+
+  @tf.function
+  def train_step():
+    return strategy.run(replica_fn)
+  return train_step
 
 
 def test_strategy_step_has_no_straggler_ops_without_a_profile():
@@ -63,12 +76,7 @@ def test_strategy_step_has_no_straggler_ops_without_a_profile():
       strategy = GBAStrategy(cluster.resolver(), mode="async", stragglers=profile)
       with strategy.scope():
         v = tf.Variable(0.0)
-
-      @tf.function
-      def train_step(strategy=strategy, v=v):
-        return strategy.run(lambda: v.assign_add(1.0))
-
-      found[profile] = _op_types(train_step.get_concrete_function())
+      found[profile] = _op_types(_train_step(strategy, v).get_concrete_function())
   assert not STRAGGLER_OPS & found["none"] and "GBA>StepCount" in found["none"]
   assert STRAGGLER_OPS <= found["transient:0.2:4"]
   assert "GBA>StepCount" not in found["transient:0.2:4"]
