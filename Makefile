@@ -36,7 +36,8 @@ build: $(EDITABLE)
 # which must be configured before anything initialises TensorFlow, and a process that never
 # connected to a parameter-server cluster (MirroredStrategy's collectives hang after that): they
 # run in their own process, the optimizer contract too (its DTS case runs before its cluster ones).
-IN_PROCESS_TESTS = tests/test_dts.py tests/test_dts_keras.py tests/test_optimizer_contract.py
+IN_PROCESS_TESTS = tests/optimizers/test_dts.py tests/optimizers/test_dts_keras.py \
+	tests/optimizers/test_optimizer_contract.py
 test: build
 	$(PY) -m pytest -q tests $(addprefix --ignore=,$(IN_PROCESS_TESTS)) $(PYTEST_ARGS)
 	$(PY) -m pytest -q $(IN_PROCESS_TESTS) $(PYTEST_ARGS)

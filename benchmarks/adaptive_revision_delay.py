@@ -67,7 +67,7 @@ class Config:
   patterns: Tuple[str, ...] = PATTERNS
   algorithms: Tuple[str, ...] = ("adaptive_revision", "adagrad")
   alpha_grid: Tuple[float, ...] = (0.05, 0.1, 0.2, 0.4, 0.8)
-  # At D = 0 all three algorithms are the same AdaGrad (tests/test_adaptive_revision_*.py check
+  # At D = 0 all three algorithms are the same AdaGrad (tests/*/test_adaptive_revision_*.py check
   # it), so by default the grid is run once, with the first algorithm, and the others are run at
   # its best alpha (the D = 0 rows then show they agree). tune_each runs the grid for each.
   tune_each: bool = False

@@ -9,7 +9,7 @@ time the loop spent blocked on exchanges, final training loss, and the AUC / log
 model (after `synchronize()`, i.e. the replicas' average) on a held-out set.
 
 Configurations (`--configs`): "sync" is delay 1, period 1 through the same exchange: each step
-waits for its all-reduce, which makes it exactly synchronous (momentum) SGD (tests/test_dts.py
+waits for its all-reduce, which makes it exactly synchronous (momentum) SGD (tests/optimizers/test_dts.py
 checks this); "tXpY" is DTS with delay X and period Y.
 
 Data: a deterministic synthetic CTR problem: dense features x ~ N(0, I), clicks drawn from a

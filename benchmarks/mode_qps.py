@@ -29,6 +29,7 @@ import sys
 from typing import Optional
 
 from tf_gba.distribute import stragglers as stragglers_lib
+from tf_gba.training import mode_registry
 
 # "dedicated": the transient profile on workers that each take at least 100 ms per step, as if on
 # machines of their own (`compute:<ms>` in tf_gba.distribute.stragglers). Without that floor,
@@ -67,9 +68,16 @@ def ps_limit_qps(profile: str, num_workers: int, local_batch_size: int) -> Optio
   return sum(local_batch_size / (floor_s * x) for x in factors)
 
 
+def _has_input(mode: str) -> bool:
+  return "input" in mode_registry.get(mode).flags
+
+
 def run_one(mode: str, profile: str, steps: int, model_dir: str, extra, num_workers: int = 4,
             local_batch_size: int = 256, input_mode: str = "shared") -> dict:
-  flags = [f"--input={input_mode}", f"--mode={'async' if mode.startswith('async') else mode}",
+  binary_mode = "async" if mode.startswith("async") else mode
+  # The binary refuses flags a mode does not read: the input only where the mode has one.
+  flags = [f"--mode={binary_mode}"] + ([f"--input={input_mode}"] if _has_input(binary_mode)
+                                       else []) + [
            f"--stragglers={PROFILES.get(profile, profile)}", f"--steps={steps}",
            "--log_every=250", f"--model_dir={model_dir}", "--num_ps=1",
            f"--num_workers={num_workers}", f"--local_batch_size={local_batch_size}",
@@ -86,7 +94,7 @@ def run_one(mode: str, profile: str, steps: int, model_dir: str, extra, num_work
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--modes", default="sync,gba,async,bsp,hop_bs,hop_bw")
+  p.add_argument("--modes", default=",".join(mode_registry.names(compared=True)))
   p.add_argument("--stragglers", default="transient,dedicated",
                  help=f"comma-separated; names {sorted(PROFILES)} or a profile string")
   p.add_argument("--steps", type=int, default=1500)
@@ -99,8 +107,10 @@ def main(argv=None):
   args, extra = p.parse_known_args(argv)
   inputs = args.inputs.split(",")
   # A mode per input ("gba/sharded") when several inputs are compared; sync has its own input.
-  modes = [m if len(inputs) == 1 or m == "sync" else f"{m}/{i}"
-           for m in args.modes.split(",") for i in (inputs if m != "sync" else inputs[:1])]
+  def has_input(m):
+    return _has_input("async" if m.startswith("async") else m)
+  modes = [m if len(inputs) == 1 or not has_input(m) else f"{m}/{i}"
+           for m in args.modes.split(",") for i in (inputs if has_input(m) else inputs[:1])]
   profiles = args.stragglers.split(",")
   results = {(m, s): [] for s in profiles for m in modes}
   for rep in range(args.repeats):

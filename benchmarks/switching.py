@@ -80,17 +80,20 @@ import numpy as np
 # The straggler profiles by name, shared with the QPS benchmark ("dedicated": the transient
 # profile on a 100 ms compute floor per step).
 from benchmarks.mode_qps import PROFILES  # pylint: disable=g-bad-import-order
+from tf_gba.training import mode_registry  # pylint: disable=g-bad-import-order
 
 # Before TensorFlow loads (make_protocol reads the data here): no GPU probing, no INFO lines.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALL_MODES = ("sync", "gba", "async", "bsp", "hop_bs", "hop_bw")
-# Accepted in --modes besides ALL_MODES (not run by default): the paper's separately tuned Async.
-EXTRA_MODES = ("async_tuned",)
+# The modes compared by default (training/mode_registry.py: `compared`).
+ALL_MODES = mode_registry.names(compared=True)
+# Accepted in --modes besides ALL_MODES (not run by default): the other parameter-server modes,
+# e.g. the paper's separately tuned Async.
+EXTRA_MODES = tuple(m for m in mode_registry.names(mode_registry.PARAMETER_SERVER, compared=False))
 # Each baseline's own parameter (a TrainConfig field), swept by --sweep.
-SWEPT = {"hop_bs": "hop_bs_bound", "bsp": "bsp_aggregate", "hop_bw": "hop_bw_backup"}
+SWEPT = {m.name: m.parameter for m in mode_registry.all_modes() if m.parameter}
 # Sources whose examples carry a day (a `num_days` option); the others have one day.
 DAY_SOURCES = ("synthetic", "movielens100k", "criteo")
 # The synthetic default: small days so that the plain command finishes in about half an hour on

@@ -11,6 +11,7 @@ On a real cluster the same command runs on every machine, each with its own TF_C
 type "ps" and "worker" serve (with tf_gba's ops loaded), the task of type "chief" coordinates.
 """
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -27,6 +28,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
+# The modes, their help and the flags each reads (no TensorFlow: the supervisor stays free of it).
+from tf_gba.training import mode_registry  # noqa: E402
+
 FLAGS = flags.FLAGS
 
 
@@ -34,13 +38,7 @@ def define_flags() -> None:
   """Defines the binary's flags (once); every flag has a default that works."""
   if "mode" in FLAGS:
     return
-  flags.DEFINE_enum("mode", "gba", ["gba", "async", "bsp", "hop_bs", "hop_bw", "sync", "dts",
-                                    "async_tuned"],
-                    "Parameter-server modes: gba, async, bsp, hop_bs, hop_bw; all-reduce "
-                    "modes: sync (synchronous workers) and dts (delayed and temporally sparse "
-                    "all-reduce). The same model, data and hyper-parameters in every mode, "
-                    "except async_tuned: async with its own Adagrad, learning rate and local "
-                    "batch (the paper's Async row).")
+  flags.DEFINE_enum("mode", "gba", list(mode_registry.names()), mode_registry.help_text())
   flags.DEFINE_enum("model", "deepfm", ["deepfm", "dcn", "youtube_dnn"], "Model.")
   flags.DEFINE_string("data", "synthetic",
                       "'synthetic', 'criteo:<file, glob or dir>' or 'movielens100k:<dir>'.")
@@ -150,28 +148,11 @@ def main(argv=None):
   import tf_gba  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   from tf_gba.training import TrainConfig  # pylint: disable=g-import-not-at-top
   from tf_gba.training import run  # pylint: disable=g-import-not-at-top
-  config = TrainConfig(
-      mode=FLAGS.mode, model=FLAGS.model, data=FLAGS.data, num_ps=FLAGS.num_ps,
-      num_workers=FLAGS.num_workers, global_batch_size=FLAGS.global_batch_size,
-      local_batch_size=FLAGS.local_batch_size, staleness_threshold=FLAGS.staleness_threshold,
-      stragglers=FLAGS.stragglers, straggler_seed=FLAGS.straggler_seed, steps=FLAGS.steps,
-      model_dir=FLAGS.model_dir, eval_every=FLAGS.eval_every, log_every=FLAGS.log_every,
-      learning_rate=FLAGS.learning_rate, embedding_dim=FLAGS.embedding_dim,
-      eval_examples=FLAGS.eval_examples, day=FLAGS.day, eval_day=FLAGS.eval_day,
-      seed=FLAGS.seed,
-      strict_data=FLAGS.strict_data, data_options=FLAGS.data_options,
-      async_staleness_stats=FLAGS.async_staleness_stats, dts_delay=FLAGS.dts_delay,
-      dts_period=FLAGS.dts_period, dts_latency_ms=FLAGS.dts_latency_ms,
-      dts_inner=FLAGS.dts_inner, bsp_aggregate=FLAGS.bsp_aggregate,
-      hop_bs_bound=FLAGS.hop_bs_bound, hop_bs_timeout_s=FLAGS.hop_bs_timeout_s,
-      hop_bw_backup=FLAGS.hop_bw_backup, sparse_normalize=FLAGS.sparse_normalize,
-      async_tuned_learning_rate=FLAGS.async_tuned_learning_rate,
-      async_tuned_local_batch_size=FLAGS.async_tuned_local_batch_size,
-      log_dir=_LOGS.get("dir"), keep_logs=FLAGS.keep_logs,
-      checkpoint_every_steps=FLAGS.checkpoint_every_steps,
-      checkpoint_every_secs=FLAGS.checkpoint_every_secs, keep_checkpoints=FLAGS.keep_checkpoints,
-      input=FLAGS.input, tfdata_workers=FLAGS.tfdata_workers,
-      tfdata_dispatcher=FLAGS.tfdata_dispatcher, stall_timeout_s=FLAGS.stall_timeout_s)
+  # Every TrainConfig field has the flag of the same name (a mode's own flags included), but
+  # log_dir: absl's own --log_dir is another thing; the run's log directory is chosen here.
+  values = {f.name: FLAGS[f.name].value for f in dataclasses.fields(TrainConfig)
+            if f.name in FLAGS and f.name != "log_dir"}
+  config = TrainConfig(**values, log_dir=_LOGS.get("dir"))
   return run(config)
 
 
@@ -233,7 +214,8 @@ _SUPERVISOR_ENV = "TF_GBA_SUPERVISOR_PID"
 def _supervised() -> bool:
   """Whether this process should run the job as a child it restarts after a failure."""
   return (not os.environ.get("TF_CONFIG") and FLAGS.max_restarts > 0 and
-          FLAGS.mode not in ("sync", "dts") and _SUPERVISOR_ENV not in os.environ)
+          mode_registry.get(FLAGS.mode).kind == mode_registry.PARAMETER_SERVER and
+          _SUPERVISOR_ENV not in os.environ)
 
 
 def _supervise() -> int:
@@ -294,7 +276,15 @@ def _isolate() -> None:
         f"{why}); run on a trusted network (README: Security).", file=sys.stderr, flush=True)
 
 
+def _check_mode_flags() -> None:
+  """A mode-specific flag set explicitly for a mode that does not read it is an error."""
+  unused = mode_registry.unused_flags(FLAGS.mode, [name for name in FLAGS if FLAGS[name].present])
+  if unused:
+    _fail(mode_registry.unused_flags_message(FLAGS.mode, unused) + ".")
+
+
 def _entry(argv):
+  _check_mode_flags()
   _isolate()
   if _supervised():
     sys.stdout.flush()

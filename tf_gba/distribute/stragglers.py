@@ -112,6 +112,21 @@ def step_end(start_ns, profile: str, seed: int):
   return _ops().gba_step_end(start_ns, profile=profile, seed=seed)
 
 
+def timed_step_start(profile: str):
+  """Where a step starts: its start time under a straggler profile (`profile` canonical, from
+  `parse`); None without one, so that such a step carries no timing or delay op."""
+  return None if profile == "none" else step_begin()
+
+
+def timed_step_end(start, profile: str, seed: int):
+  """Where a step ends (after `timed_step_start`): under a profile the straggler delay, slept and
+  counted (`GBA>StepEnd`); without one only the step count (`GBA>StepCount`, what the per-worker
+  step statistics read). Either output orders what must follow the step."""
+  if start is None:
+    return _ops().gba_step_count()
+  return step_end(start, profile, seed)
+
+
 def worker_step_stats(num_workers: int) -> List[dict]:
   """Reads each worker process's step counters (eagerly, from the coordinator)."""
   out = []

@@ -351,11 +351,13 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
         # Likewise: a worker that pushed for the current version waits for the next one.
         version, skip, waited = version_barrier.wait(worker)
         barrier = [waited]
+      # Timed only under a straggler profile: without one the step carries a step count only.
       with tf.control_dependencies(barrier):
-        start = stragglers_lib.step_begin()
-      with tf.control_dependencies([start]):
+        start = stragglers_lib.timed_step_start(self._gba_stragglers)
+      started = barrier if start is None else [start]
+      with tf.control_dependencies(started):
         info = self._begin_step(version, skip)
-      deps = [t for t in tf.nest.flatten([info.token, info.reads]) if t is not None] + [start]
+      deps = [t for t in tf.nest.flatten([info.token, info.reads]) if t is not None] + started
       with step_context.scope(info), tf.control_dependencies(deps):
         try:
           outputs = fn(*a, **kw)
@@ -365,7 +367,8 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
           raise ValueError(LOSS_REDUCTION_HINT) from None
       done = [t for t in tf.nest.flatten(outputs) if isinstance(t, tf.Tensor)]
       with tf.control_dependencies(done):
-        delay = stragglers_lib.step_end(start, self._gba_stragglers, self._gba_straggler_seed)
+        delay = stragglers_lib.timed_step_end(start, self._gba_stragglers,
+                                              self._gba_straggler_seed)
       if hop_bs:
         # Finished (straggler delay included): the slowest worker's count moves the barrier.
         with tf.control_dependencies([delay]):

@@ -36,8 +36,8 @@ loader.no_gradient(
     "GBA>TokenGeneratorReset", "GBA>DenseBufferCreate", "GBA>DenseBufferPush",
     "GBA>DenseBufferStats", "GBA>DenseBufferSetStep", "GBA>SparseBufferCreate",
     "GBA>SparseBufferPush", "GBA>SparseBufferStats", "GBA>SparseBufferExport",
-    "GBA>SparseBufferImport", "GBA>StepBegin", "GBA>StepEnd", "GBA>SetStepPosition",
-    "GBA>WorkerStepStats", "GBA>StragglerFactors")
+    "GBA>SparseBufferImport", "GBA>StepBegin", "GBA>StepEnd", "GBA>StepCount",
+    "GBA>SetStepPosition", "GBA>WorkerStepStats", "GBA>StragglerFactors")
 
 
 def _ops():

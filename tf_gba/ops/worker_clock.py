@@ -20,24 +20,19 @@ The clock is not checkpointed: its counts describe the running job's workers (ho
 into the current run), not the model, and a restored job starts them level again.
 """
 
-import itertools
 from typing import Dict, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from tf_gba.ops import loader
+from tf_gba.ops.worker_resource import WorkerResource
+from tf_gba.ops.worker_resource import ops as _ops
 
 # The clock's ops synchronise workers and report counts: nothing to differentiate.
 loader.no_gradient("GBA>WorkerClockCreate", "GBA>WorkerClockWait", "GBA>WorkerClockTick",
                    "GBA>WorkerClockStats", "GBA>WorkerClockWaiting", "GBA>WorkerClockReset",
                    "GBA>WorkerIndex")
-
-_uid = itertools.count()
-
-
-def _ops():
-  return loader.load_op_library("gba")
 
 
 def worker_index() -> tf.Tensor:
@@ -52,34 +47,17 @@ def worker_index() -> tf.Tensor:
     return _ops().gba_worker_index()
 
 
-class WorkerClock(tf.saved_model.experimental.TrackableResource):
+class WorkerClock(WorkerResource):
   """Steps completed per worker, and a wait that holds a worker back while it is too far ahead.
 
   One per job, created eagerly on `device` (parameter server 0), so that a `tf.function` closing
   over it runs its ops there. Transient state: nothing of it is saved in checkpoints.
   """
 
+  _CREATE_OP = "gba_worker_clock_create"
+
   def __init__(self, num_workers: int, device: str = "", name: str = "worker_clock"):
-    if int(num_workers) < 1:
-      raise ValueError(f"num_workers must be >= 1, got {num_workers}.")
-    super().__init__(device=device)
-    self._num_workers = int(num_workers)
-    # Found by shared_name in the PS's resource manager: each clock needs a name of its own.
-    self._shared_name = f"tf_gba/{name}/{next(_uid)}_{id(object())}"
-    with tf.init_scope():
-      _ = self.resource_handle  # create now, eagerly, on `device`
-
-  @property
-  def num_workers(self) -> int:
-    return self._num_workers
-
-  def _create_resource(self):
-    return _ops().gba_worker_clock_create(num_workers=self._num_workers,
-                                          shared_name=self._shared_name)
-
-  def _destroy_resource(self):
-    # Fails any wait still blocked on this clock with CancelledError.
-    tf.raw_ops.DestroyResourceOp(resource=self.resource_handle, ignore_lookup_error=True)
+    super().__init__(num_workers, device, name)
 
   def wait(self, worker, bound, timeout_ms=0) -> Tuple[tf.Tensor, tf.Tensor]:
     """Blocks while completed[worker] - min_j completed[j] > bound.
@@ -94,24 +72,20 @@ class WorkerClock(tf.saved_model.experimental.TrackableResource):
       (waited_ns, timed_out): int64 and bool scalars.
     """
     timeout_ms = 0 if timeout_ms is None else timeout_ms
-    with tf.device(self._resource_device):
-      return _ops().gba_worker_clock_wait(self.resource_handle, tf.cast(worker, tf.int64),
-                                          tf.cast(bound, tf.int64), tf.cast(timeout_ms, tf.int64))
+    return self._run("gba_worker_clock_wait", tf.cast(worker, tf.int64), tf.cast(bound, tf.int64),
+                     tf.cast(timeout_ms, tf.int64))
 
   def tick(self, worker) -> tf.Operation:
     """Records one more completed step of `worker`, releasing the waits that may now go."""
-    with tf.device(self._resource_device):
-      return _ops().gba_worker_clock_tick(self.resource_handle, tf.cast(worker, tf.int64))
+    return self._run("gba_worker_clock_tick", tf.cast(worker, tf.int64))
 
   def reset(self) -> tf.Operation:
     """Zeroes every count and statistic, releasing every blocked wait (timed_out=False)."""
-    with tf.device(self._resource_device):
-      return _ops().gba_worker_clock_reset(self.resource_handle)
+    return self._run("gba_worker_clock_reset")
 
   def stats_tensors(self):
     """(completed, blocked_ns, waits, timeouts, max_lead) as tensors."""
-    with tf.device(self._resource_device):
-      return _ops().gba_worker_clock_stats(self.resource_handle)
+    return self._run("gba_worker_clock_stats")
 
   def stats(self) -> Dict[str, object]:
     """The clock's counters, eagerly, as NumPy values.
@@ -132,5 +106,4 @@ class WorkerClock(tf.saved_model.experimental.TrackableResource):
 
   def waiting(self) -> np.ndarray:
     """Per worker, the number of waits blocked right now (eager)."""
-    with tf.device(self._resource_device):
-      return np.asarray(_ops().gba_worker_clock_waiting(self.resource_handle).numpy(), np.int64)
+    return np.asarray(self._run("gba_worker_clock_waiting").numpy(), np.int64)

@@ -39,18 +39,14 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from tf_gba.distribute import stragglers as stragglers_lib
+# The baselines' defaults (b2, b3) are those of the real modes.
+from tf_gba.distribute.modes import DEFAULT_HOP_BS_BOUND
+from tf_gba.distribute.modes import default_bsp_aggregate
+from tf_gba.distribute.modes import default_hop_bw_backup
 from tf_gba.ops import gba_ops
 from tf_gba.simulate import logic
 
 MODES = ("sync", "async", "gba", "bsp", "hop_bs", "hop_bw")
-
-
-def default_bsp_aggregate(num_workers: int) -> int:
-  return max(1, round(num_workers / 5))
-
-
-def default_hop_bw_backup(num_workers: int) -> int:
-  return max(1, round(num_workers / 5)) if num_workers > 1 else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +65,7 @@ class SimConfig:
   iota: int = 3
   gba_num_aggregate: Optional[int] = None    # M; None: N
   bsp_aggregate: Optional[int] = None        # b2; None: max(1, round(N / 5))
-  hop_bs_bound: int = 2                      # b1
+  hop_bs_bound: int = DEFAULT_HOP_BS_BOUND   # b1
   hop_bw_backup: Optional[int] = None        # b3; None: max(1, round(N / 5))
   histogram_bins: int = 16
   # Where a step's slowdown lies. False: inside the compute, before the push (a slow machine).

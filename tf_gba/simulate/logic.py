@@ -4,7 +4,7 @@ The rules of `GBA>TokenGeneratorFetch` and `GBA>DenseBufferPush` (custom_ops/gba
 token_generator_op.cc, dense_buffer_op.cc and buffer_core.h), on token and step numbers only, not
 on gradient values: which token a fetch gets, each push's staleness and weight, whether it takes
 one of the M places of the global batch, which push completes a global step and the divisor of
-that aggregate, and the buffer's statistics. tests/test_simulate.py replays a recorded event
+that aggregate, and the buffer's statistics. tests/distribute/test_simulate.py replays a recorded event
 sequence through the real ops and through this module and compares every decision.
 
 Both the one-event methods (`fetch`, `push`) and the vectorised ones (`fetch_many`, `push_many`,

@@ -6,13 +6,15 @@ from typing import Optional
 from tf_gba.distribute import modes as modes_lib
 from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.ops import gba_ops
+from tf_gba.training import mode_registry
 
-# Parameter-server modes (GBAStrategy), then the all-reduce ones (one process per worker).
-PS_MODES = modes_lib.MODES
+# Parameter-server modes (GBAStrategy), then the all-reduce ones (one process per worker): the
+# registry's (training/mode_registry.py).
+PS_MODES = mode_registry.names(mode_registry.PARAMETER_SERVER)
 # The paper's Async row (Table 5.1): async on the parameter servers with hyper-parameters of its
 # own (Adagrad, its own learning rate and local batch), not Sync's as plain "async" keeps them.
 ASYNC_TUNED = "async_tuned"
-MODES = PS_MODES + ("sync", "dts", ASYNC_TUNED)
+MODES = mode_registry.names()
 MODEL_NAMES = ("deepfm", "dcn", "youtube_dnn")
 INPUTS = ("shared", "sharded")
 # Worker steps of a run that reads static shards and sets no --steps (the original default).
@@ -96,11 +98,13 @@ class TrainConfig:
 
   @property
   def day_mode_possible(self) -> bool:
-    return self.mode in PS_MODES and self.input == "shared"
+    return self.uses_data_list
 
   @property
   def uses_data_list(self) -> bool:
-    return self.mode in PS_MODES and self.input == "shared"
+    # (An unknown mode is not one: validate() names it.)
+    return (self.mode in mode_registry.names(mode_registry.PARAMETER_SERVER) and
+            self.input == "shared")
 
   def data_kwargs(self) -> dict:
     """`--data_options` ("key=value,...") as keyword arguments of the data source.
@@ -126,13 +130,9 @@ class TrainConfig:
     return out
 
   def validate(self) -> None:
-    if self.mode not in MODES:
-      raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}.")
-    if self.mode == "dts":
-      if self.dts_delay < 1 or self.dts_period < 1:
-        raise ValueError("--dts_delay and --dts_period must be >= 1 (1 and 1: plain sync).")
-      if self.dts_inner not in ("sgd", "momentum"):
-        raise ValueError(f"--dts_inner must be 'sgd' or 'momentum', got {self.dts_inner!r}.")
+    mode = mode_registry.get(self.mode)  # raises on an unknown mode
+    if mode.validate is not None:
+      mode.validate(self)
     if self.model not in MODEL_NAMES:
       raise ValueError(f"--model must be one of {MODEL_NAMES}, got {self.model!r}.")
     if self.input not in INPUTS:
@@ -154,9 +154,6 @@ class TrainConfig:
     if self.eval_day is not None and self.eval_day < 0:
       raise ValueError(f"--eval_day must be >= 0 (unset: the eval split of --day), got "
                        f"{self.eval_day}.")
-    if self.eval_day is not None and self.mode == "dts":
-      raise ValueError("--eval_day is not supported with --mode=dts (it evaluates on the eval "
-                       "split of --day); leave --eval_day unset.")
     if self.sparse_normalize not in gba_ops.SPARSE_NORMALIZATIONS:
       raise ValueError(f"--sparse_normalize must be one of {gba_ops.SPARSE_NORMALIZATIONS}, got "
                        f"{self.sparse_normalize!r}.")
@@ -197,7 +194,7 @@ class TrainConfig:
   @property
   def strategy_mode(self) -> str:
     """The GBAStrategy mode that runs this one (async_tuned is async with its own optimizer)."""
-    return "async" if self.mode == ASYNC_TUNED else self.mode
+    return mode_registry.get(self.mode).strategy_mode or self.mode
 
   def resolved(self) -> "TrainConfig":
     """This config with mode-specific settings applied (async_tuned's own local batch)."""
@@ -209,18 +206,12 @@ class TrainConfig:
   @property
   def global_batch(self) -> int:
     """Examples per global step: GBA keeps the synchronous one (default local x workers)."""
-    if self.mode in ("bsp", "hop_bs", "hop_bw"):
-      return self.num_aggregate * self.local_batch_size
+    rule = mode_registry.get(self.mode).global_batch
+    if rule is not None:
+      return rule(self)
     return self.global_batch_size or self.local_batch_size * self.num_workers
 
   @property
   def num_aggregate(self) -> int:
     """M: local batches per global step (1 in async mode, where every push is a step)."""
-    if self.mode in ("async", "dts", ASYNC_TUNED):
-      return 1
-    if self.mode in ("gba", "sync"):
-      return (self.global_batch_size or self.local_batch_size * self.num_workers
-              ) // self.local_batch_size
-    return modes_lib.num_aggregate_for(self.mode, self.num_workers,
-                                       bsp_aggregate=self.bsp_aggregate,
-                                       hop_bw_backup=self.hop_bw_backup)
+    return mode_registry.get(self.mode).num_aggregate(self)

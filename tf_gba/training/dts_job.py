@@ -25,6 +25,7 @@ from tf_gba.distribute import collective_cluster
 from tf_gba.distribute.dts_training import DTSTrainer
 from tf_gba.optimizers.dts import DTS
 from tf_gba.training import metrics
+from tf_gba.training import summary as summary_lib
 from tf_gba.training.config import TrainConfig
 
 
@@ -201,10 +202,8 @@ def run_worker(config: dict) -> dict:
 
 
 def run(config: TrainConfig) -> dict:
-  """`--mode=dts`: one MultiWorkerMirroredStrategy process per worker on 127.0.0.1.
-
-  Returns the run summary (not yet written or printed).
-  """
+  """`--mode=dts`: one MultiWorkerMirroredStrategy process per worker on 127.0.0.1; the summary
+  (written and printed)."""
   if os.environ.get("TF_CONFIG"):
     raise ValueError("--mode=dts runs its workers on this machine; on a real cluster call "
                      "tf_gba.training.dts_job.run_worker on every worker with its TF_CONFIG.")
@@ -222,26 +221,20 @@ def run(config: TrainConfig) -> dict:
   steps_run = int(first.get("steps_run", first.get("steps", 0))) * config.num_workers
   qps = float(first.get("examples_per_sec") or first.get("steps_per_sec", 0.0) *
               config.local_batch_size * config.num_workers)
-  summary = {
-      "mode": "dts", "model": config.model, "data": config.data, "num_ps": 0,
-      "num_workers": config.num_workers, "num_aggregate": 1,
-      "local_batch_size": config.local_batch_size,
-      "global_batch_size": config.local_batch_size * config.num_workers,
-      "dts_delay": config.dts_delay, "dts_period": config.dts_period,
-      "dts_latency_ms": config.dts_latency_ms, "stragglers": "none",
-      "steps": steps_run, "examples": steps_run * config.local_batch_size,
-      "wall_seconds": wall, "global_qps": qps,
-      "qps_measured_over_steps": steps_run,
-      "per_worker": [{"worker": i, "steps": int(r.get("steps_run", 0)),
-                      "qps": qps / config.num_workers,
-                      "injected_delay_seconds": 0.0} for i, r in enumerate(results)],
-      "global_step": int(first.get("steps_run", 0)), "start_global_step": 0,
-      "pushes": steps_run, "mean_staleness": 0.0, "max_staleness": 0,
-      "staleness_histogram": [], "dropped_batches": 0, "dropped_gradients": 0,
-      "dropped_embedding_rows": 0, "nonfinite_gradients": 0, "duplicate_pushes": 0,
-      "final_train_loss": first.get("final_loss"), "eval_auc": first.get("eval_auc"),
-      "eval_logloss": first.get("eval_log_loss"), "eval_examples": first.get("eval_examples"),
-      "checkpoint": os.path.join(config.model_dir, "dts"),
-      "exchanges": first.get("exchanges"), "blocked_seconds": first.get("blocked_seconds"),
-  }
+  summary = summary_lib.new(
+      config, num_aggregate=1, global_batch_size=config.local_batch_size * config.num_workers,
+      dts_delay=config.dts_delay, dts_period=config.dts_period,
+      dts_latency_ms=config.dts_latency_ms, stragglers="none",
+      steps=steps_run, examples=steps_run * config.local_batch_size,
+      wall_seconds=wall, global_qps=qps, qps_measured_over_steps=steps_run,
+      per_worker=[{"worker": i, "steps": int(r.get("steps_run", 0)),
+                   "qps": qps / config.num_workers,
+                   "injected_delay_seconds": 0.0} for i, r in enumerate(results)],
+      global_step=int(first.get("steps_run", 0)),
+      final_train_loss=first.get("final_loss"), eval_auc=first.get("eval_auc"),
+      eval_logloss=first.get("eval_log_loss"), eval_examples=first.get("eval_examples"),
+      checkpoint=os.path.join(config.model_dir, "dts"),
+      exchanges=first.get("exchanges"), blocked_seconds=first.get("blocked_seconds"))
+  summary_lib.write(config.model_dir, summary)
+  summary_lib.print_summary(summary)
   return summary

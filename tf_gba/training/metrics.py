@@ -1,30 +1,3 @@
-"""Evaluation metrics computed exactly in NumPy (no threshold buckets)."""
+"""The evaluation metrics, under the name training code imported them by (tf_gba.common.metrics)."""
 
-import numpy as np
-
-
-def auc(labels, scores) -> float:
-  """Area under the ROC curve by the rank-sum (Mann-Whitney) formula, ties averaged."""
-  labels = np.asarray(labels, np.float64).ravel()
-  scores = np.asarray(scores, np.float64).ravel()
-  pos = labels > 0.5
-  n_pos, n_neg = int(pos.sum()), int((~pos).sum())
-  if n_pos == 0 or n_neg == 0:
-    return float("nan")
-  order = np.argsort(scores, kind="mergesort")
-  ranks = np.empty(len(scores), np.float64)
-  sorted_scores = scores[order]
-  i = 0
-  while i < len(scores):  # average ranks over runs of equal scores
-    j = i
-    while j + 1 < len(scores) and sorted_scores[j + 1] == sorted_scores[i]:
-      j += 1
-    ranks[order[i:j + 1]] = (i + j) / 2.0 + 1.0
-    i = j + 1
-  return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
-
-
-def logloss(labels, probs, eps: float = 1e-7) -> float:
-  labels = np.asarray(labels, np.float64).ravel()
-  p = np.clip(np.asarray(probs, np.float64).ravel(), eps, 1 - eps)
-  return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
+from tf_gba.common.metrics import auc, evaluate_binary, logloss  # noqa: F401

@@ -8,7 +8,6 @@ also prints and writes to `model_dir/summary.json` (TensorBoard scalars go to
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import time
@@ -26,12 +25,15 @@ from tf_gba.distribute import LocalCluster
 from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.ops import worker_clock
 from tf_gba.optimizers import GBA
-from tf_gba.training import metrics
+from tf_gba.common import metrics
 from tf_gba.training import config as config_lib
+from tf_gba.training import mode_registry
 from tf_gba.training import preflight
 from tf_gba.training import recovery
 from tf_gba.training import resharding
+from tf_gba.training import summary as summary_lib
 from tf_gba.training.config import TrainConfig
+from tf_gba.training.evaluation import eval_dataset
 
 
 def _log(msg: str) -> None:
@@ -170,22 +172,6 @@ class PeriodicCheckpoint(keras.callbacks.Callback):
     if due_steps or due_time:
       self.saved.append(self._job.save_checkpoint())
       self._last_steps, self._last_time = steps, time.time()
-
-
-def eval_dataset(cfg: TrainConfig, data_kwargs: dict) -> tf.data.Dataset:
-  """What a run is evaluated on: batches of 1024, about `eval_examples` examples at most.
-
-  The eval split of `cfg.day`, or with `cfg.eval_day` every example of that day (its train rows,
-  then its eval rows, in order), as in the next-day protocol.
-  """
-  batches = max(1, math.ceil(cfg.eval_examples / 1024))
-  common = dict(batch_size=1024, shuffle_seed=None, strict=cfg.strict_data, **data_kwargs)
-  if cfg.eval_day is None:
-    ds = data_lib.make_dataset(cfg.data, split="eval", day=cfg.day, **common)
-  else:
-    ds = data_lib.make_dataset(cfg.data, split="train", day=cfg.eval_day, **common).concatenate(
-        data_lib.make_dataset(cfg.data, split="eval", day=cfg.eval_day, **common))
-  return ds.take(batches)
 
 
 class _Job:
@@ -379,7 +365,7 @@ def _dispatcher_address(config: TrainConfig, cluster) -> str:
 
 
 def run(config: TrainConfig) -> dict:
-  """Trains as `config` says and returns the summary."""
+  """Trains as `config` says and returns the summary (the mode's job: training/mode_registry)."""
   # Flags, data and model_dir, before any server starts: a fault is one line, not a traceback
   # from a worker a minute later.
   data_report = preflight.check(config)
@@ -387,13 +373,21 @@ def run(config: TrainConfig) -> dict:
   tf.get_logger().setLevel("WARNING")
   absl_logging.set_verbosity(absl_logging.WARNING)
   os.makedirs(config.model_dir, exist_ok=True)
-  if config.mode == "dts":
+  mode = mode_registry.get(config.mode)
+  if mode.kind != mode_registry.PARAMETER_SERVER:
+    # The parameter-server job writes it after its restore, which may refuse the model_dir.
     preflight.write_metadata(config)
-    return _add_data_report(config, _run_dts(config), data_report)
-  if config.mode == "sync":
-    from tf_gba.training import sync_job  # pylint: disable=g-import-not-at-top
-    preflight.write_metadata(config)
-    return _add_data_report(config, sync_job.run_sync(config), data_report)
+  result = mode.run(config)
+  # The data scan's counts, added to the summary the job wrote and printed.
+  result.update(summary_lib.data_fields(data_report))
+  summary_lib.write(config.model_dir, result)
+  if result["data_rows_checked"]:
+    _log(summary_lib.data_line(result))
+  return result
+
+
+def run_parameter_server(config: TrainConfig) -> dict:
+  """A parameter-server mode's run: GBAStrategy, model.fit; writes and prints the summary."""
   config = config.resolved()
   with _cluster(config) as (resolver, cluster):
     strategy = make_strategy(config, resolver)
@@ -510,7 +504,6 @@ def run(config: TrainConfig) -> dict:
                        steps_measured, t1 - t0, start_step, saved)
     if shared is not None:
       _add_data_list(summary, shared.report(), config)
-    summary.update(_data_fields(data_report))
     summary["skipped_checkpoints"] = job.skipped_checkpoints
     summary["periodic_checkpoints"] = len(periodic.saved) if periodic else 0
     summary.update(_log_fields(config))
@@ -525,13 +518,12 @@ def run(config: TrainConfig) -> dict:
         "worker_restarts": cluster.restarts["worker"] if cluster is not None else 0,
         "tfdata_worker_restarts": (cluster.restarts["tfdata_worker"] if cluster is not None
                                    else 0)})
-    with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2)
     with job.writer.as_default(step=epochs * epoch_steps(config)):
       tf.summary.scalar("eval/auc", evaluation["auc"])
       tf.summary.scalar("eval/logloss", evaluation["logloss"])
     job.writer.flush()
-    print_summary(summary)
+    summary_lib.write(config.model_dir, summary)
+    summary_lib.print_summary(summary)
     return summary
 
 
@@ -593,39 +585,8 @@ def _add_data_list(summary: dict, report: dict, config: TrainConfig) -> None:
   summary["missed"] = report["missed"]
 
 
-def _run_dts(config: TrainConfig) -> dict:
-  """DTS: one MultiWorkerMirroredStrategy process per worker on 127.0.0.1."""
-  from tf_gba.training import dts_job  # pylint: disable=g-import-not-at-top
-  summary = dts_job.run(config)
-  with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  print_summary(summary)
-  return summary
-
-
 def _log_fields(config: TrainConfig) -> dict:
   return {"logs": config.log_dir, "logs_kept": config.keep_logs} if config.log_dir else {}
-
-
-def _data_fields(report: dict) -> dict:
-  return {"malformed_rows": report["malformed_rows"], "data_rows_checked": report["rows_checked"],
-          "data_fully_checked": report["fully_checked"]}
-
-
-def _add_data_report(config: TrainConfig, summary: dict, report: dict) -> dict:
-  """The data scan's counts in a summary printed by another job (sync, dts), and a line."""
-  summary.update(_data_fields(report))
-  with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  if summary["data_rows_checked"]:
-    _log(_data_line(summary))
-  return summary
-
-
-def _data_line(s: dict) -> str:
-  scope = "" if s["data_fully_checked"] else " (of the first rows, read before training)"
-  return (f"  malformed rows        {s['malformed_rows']} of {s['data_rows_checked']:,} rows "
-          f"checked{scope}, skipped")
 
 
 def _optimizer_stats(optimizer) -> dict:
@@ -659,79 +620,38 @@ def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, s
       w["gradients"] = hop_bw["gradients"][i]
       w["released_steps"] = hop_bw["released"][i]
       w["repeated_versions"] = hop_bw["duplicates"][i]
-  return {
-      "mode": config.mode, "model": config.model, "data": config.data,
-      "num_ps": strategy.num_ps, "num_workers": strategy.num_workers,
-      "num_aggregate": config.num_aggregate, "local_batch_size": config.local_batch_size,
-      "global_batch_size": config.global_batch, "stragglers": config.stragglers,
-      "sparse_normalize": config.sparse_normalize,
-      "steps": steps_run, "examples": steps_run * config.local_batch_size,
-      "wall_seconds": total_wall,
-      "global_qps": steps_measured * config.local_batch_size / wall,
-      "qps_measured_over_steps": steps_measured,
-      "per_worker": per_worker,
-      "global_step": stats["global_step"], "start_global_step": start_step,
-      "pushes": dense.get("pushes", steps_run),
-      "mean_staleness": dense.get("mean_staleness", 0.0),
-      "max_staleness": dense.get("staleness_max", 0),
-      "staleness_histogram": dense.get("histogram", []),
-      "dropped_batches": dense.get("dropped", 0),
-      "dropped_gradients": dense_all.get("dropped", 0),
-      "dropped_embedding_rows": sparse.get("dropped", 0),
-      "nonfinite_gradients": dense_all.get("nonfinite", 0) + sparse.get("nonfinite", 0),
-      "duplicate_pushes": dense.get("duplicates", 0),
+  return summary_lib.new(
+      config,
+      num_ps=strategy.num_ps, num_workers=strategy.num_workers,
+      num_aggregate=config.num_aggregate, local_batch_size=config.local_batch_size,
+      global_batch_size=config.global_batch, stragglers=config.stragglers,
+      sparse_normalize=config.sparse_normalize,
+      steps=steps_run, examples=steps_run * config.local_batch_size,
+      wall_seconds=total_wall,
+      global_qps=steps_measured * config.local_batch_size / wall,
+      qps_measured_over_steps=steps_measured,
+      per_worker=per_worker,
+      global_step=stats["global_step"], start_global_step=start_step,
+      pushes=dense.get("pushes", steps_run),
+      mean_staleness=dense.get("mean_staleness", 0.0),
+      max_staleness=dense.get("staleness_max", 0),
+      staleness_histogram=dense.get("histogram", []),
+      dropped_batches=dense.get("dropped", 0),
+      dropped_gradients=dense_all.get("dropped", 0),
+      dropped_embedding_rows=sparse.get("dropped", 0),
+      nonfinite_gradients=dense_all.get("nonfinite", 0) + sparse.get("nonfinite", 0),
+      duplicate_pushes=dense.get("duplicates", 0),
       # Hop-BW: gradients of an older version, ignored without taking a place in a step.
-      "ignored_gradients": dense.get("dropped", 0) if config.mode == "hop_bw" else 0,
+      ignored_gradients=dense.get("dropped", 0) if config.mode == "hop_bw" else 0,
       # Hop-BS: time workers spent blocked at the bounded-staleness barrier.
-      "blocked_seconds": (round(sum(hop_bs["blocked_seconds"]), 3) if hop_bs else
-                          round(sum(hop_bw["blocked_seconds"]), 3) if hop_bw else 0.0),
-      "max_lead": hop_bs["max_lead"] if hop_bs else None,
-      "final_train_loss": history.history["loss"][-1] if history.history.get("loss") else None,
-      "eval_auc": evaluation["auc"], "eval_logloss": evaluation["logloss"],
-      "eval_examples": evaluation["examples"], "checkpoint": saved,
-  }
+      blocked_seconds=(round(sum(hop_bs["blocked_seconds"]), 3) if hop_bs else
+                       round(sum(hop_bw["blocked_seconds"]), 3) if hop_bw else 0.0),
+      max_lead=hop_bs["max_lead"] if hop_bs else None,
+      final_train_loss=history.history["loss"][-1] if history.history.get("loss") else None,
+      eval_auc=evaluation["auc"], eval_logloss=evaluation["logloss"],
+      eval_examples=evaluation["examples"], checkpoint=saved,
+  )
 
 
-def print_summary(s: dict) -> None:
-  lines = [
-      "=" * 72,
-      f"summary ({s['mode']}, {s['model']}, {s['data']}): {s['steps']} worker steps, "
-      f"{s['examples']:,} examples in {s['wall_seconds']:.1f} s",
-      f"  global QPS            {s['global_qps']:,.0f}  (over the last "
-      f"{s['qps_measured_over_steps']} steps, after start-up)",
-      "  per-worker QPS        " + "  ".join(f"w{w['worker']}={w['qps']:,.0f}"
-                                           for w in s["per_worker"]),
-      f"  global step           {s['global_step']} (M={s['num_aggregate']}, {s['pushes']} pushes, "
-      f"started at {s['start_global_step']})",
-      f"  dense staleness       mean {s['mean_staleness']:.2f}  max {s['max_staleness']}",
-      f"  dropped batches       {s['dropped_batches']}  (dropped gradients over all variables "
-      f"{s['dropped_gradients']}, embedding rows {s['dropped_embedding_rows']})",
-      *([f"  hop_bs barrier        blocked {s['blocked_seconds']:.1f} s over all workers  "
-         f"max lead {s['max_lead']}  per worker "
-         + "  ".join(f"w{w['worker']}={w.get('blocked_seconds', 0):.1f}s"
-                     for w in s["per_worker"])] if s.get("max_lead") is not None else []),
-      *([f"  hop_bw                {s['ignored_gradients']} gradients of an older version "
-         "ignored"] if s["mode"] == "hop_bw" else []),
-      *([f"  data list             {s['data_list']['batches']} batches "
-         f"({s['data_list']['examples']:,} examples) of {s['data_list']['listed_batches']} "
-         f"listed; per worker "
-         + "  ".join(f"w{i}={b}" for i, b in enumerate(s['data_list']['per_worker_batches']))
-         + (f"; duplicates {s['data_list']['duplicates']}  missed {s['data_list']['missed']}"
-            if s['data_list']['missed'] is not None else "")
-         + (f"  STALLED: {s['data_list']['stalled']}" if s['data_list']['stalled'] else "")]
-        if s.get("data_list") else []),
-      f"  eval AUC              {s['eval_auc']:.4f}",
-      f"  eval logloss          {s['eval_logloss']:.4f}",
-      f"  checkpoint            {s['checkpoint']}",
-      *([f"  recovery              {s['restarts']} restarts, {s['steps_redone']} global steps "
-         f"redone ({s['batches_reread']} batches re-read), {s['worker_restarts']} workers "
-         f"and {s.get('tfdata_worker_restarts', 0)} tf.data workers restarted"]
-        if s.get("restarts") or s.get("worker_restarts") or s.get("tfdata_worker_restarts")
-        else []),
-      *([_data_line(s)] if s.get("data_rows_checked") else []),
-      *([f"  logs                  {s['logs']}"
-         + ("" if s["logs_kept"] else "  (deleted at exit; --keep_logs keeps them)")]
-        if s.get("logs") else []),
-      "=" * 72,
-  ]
-  _log("\n".join(lines))
+# Kept under its old name for callers of the runner.
+print_summary = summary_lib.print_summary

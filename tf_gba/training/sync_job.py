@@ -19,7 +19,6 @@ same workers.
 
 import dataclasses
 import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -35,11 +34,12 @@ import tf_keras as keras
 from tf_gba import data as data_lib
 from tf_gba import models as models_lib
 from tf_gba.distribute import stragglers as stragglers_lib
-from tf_gba.training import config as config_lib
-from tf_gba.training.dts_job import evaluate_binary
+from tf_gba.common import metrics
 from tf_gba.training import preflight
 from tf_gba.training import resharding
+from tf_gba.training import summary as summary_lib
 from tf_gba.training.config import TrainConfig
+from tf_gba.training.evaluation import eval_dataset
 
 MODE = "sync"
 # The chief marks its progress lines so the launcher can pick them out of its log.
@@ -58,16 +58,11 @@ def validate(config: TrainConfig) -> None:
         f"--mode=sync trains on local batch x workers = {config.local_batch_size} x "
         f"{config.num_workers} = {sync_batch} examples per step, but --global_batch_size="
         f"{config.global_batch_size}. Leave --global_batch_size unset, or set it to {sync_batch}.")
-  # The remaining checks are shared with the other modes; run them under a mode the config module
-  # knows in case it does not list "sync".
-  checked = config if config.mode in config_lib.MODES else dataclasses.replace(config,
-                                                                               mode="gba")
-  checked.validate()
+  # The remaining checks are shared with the other modes.
+  dataclasses.replace(config, mode=MODE).validate()
 
 
 def _worker_config(config: dict) -> TrainConfig:
-  # Built without TrainConfig.validate(), which may not know the "sync" mode; validate() above
-  # runs the checks instead.
   cfg = TrainConfig(**config)
   validate(cfg)
   return cfg
@@ -163,6 +158,10 @@ def run_worker(config: dict) -> dict:
         num_shards=ctx.num_input_pipelines, shard_index=ctx.input_pipeline_id, day=cfg.day,
         repeat=True, shuffle_seed=cfg.seed, strict=cfg.strict_data, **options)
 
+  # A loop of its own rather than model.fit (which the parameter-server modes use): the straggler
+  # delay must stretch this worker's compute and come before the all-reduce (see replica_step),
+  # while Keras's train_step computes and applies the gradients, all-reduce included, in one call
+  # with no place between the two.
   iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
   variables = model.trainable_variables
   # Per example, averaged here: the same mean binary cross-entropy as the other modes' compiled
@@ -171,8 +170,8 @@ def run_worker(config: dict) -> dict:
 
   def replica_step(batch):
     features, labels = batch
-    start = stragglers_lib.step_begin()
-    with tf.control_dependencies([start]):
+    start = stragglers_lib.timed_step_start(profile)
+    with tf.control_dependencies([] if start is None else [start]):
       with tf.GradientTape() as tape:
         probs = tf.reshape(model(features, training=True), [-1, 1])
         loss = tf.reduce_mean(bce(tf.reshape(tf.cast(labels, probs.dtype), [-1, 1]), probs))
@@ -188,7 +187,7 @@ def run_worker(config: dict) -> dict:
     computed = [t for t in tf.nest.flatten([loss, grads], expand_composites=True)
                 if t is not None]
     with tf.control_dependencies(computed):
-      delay = stragglers_lib.step_end(start, profile, cfg.straggler_seed)
+      delay = stragglers_lib.timed_step_end(start, profile, cfg.straggler_seed)
     with tf.control_dependencies([delay]):
       grads = [None if g is None else tf.nest.map_structure(tf.identity, g,
                                                             expand_composites=True)
@@ -221,10 +220,8 @@ def run_worker(config: dict) -> dict:
 
   def evaluate() -> dict:
     if "ds" not in eval_cache:
-      # Imported here: the runner imports this module to dispatch --mode=sync.
-      from tf_gba.training.runner import eval_dataset  # pylint: disable=g-import-not-at-top
       eval_cache["ds"] = eval_dataset(cfg, options).cache()
-    return evaluate_binary(model, eval_cache["ds"])
+    return metrics.evaluate_binary(model, eval_cache["ds"])
 
   log(f"training {total} global steps of {num_workers} x {cfg.local_batch_size} examples "
       f"(global step {start_step} -> {start_step + total})")
@@ -282,9 +279,9 @@ def run_worker(config: dict) -> dict:
           last_eval = step * num_workers
           result = evaluate()
           tf.summary.scalar("eval/auc", result["auc"])
-          tf.summary.scalar("eval/logloss", result["log_loss"])
+          tf.summary.scalar("eval/logloss", result["logloss"])
           log(f"  eval at step {step * num_workers}: AUC {result['auc']:.4f}  "
-              f"logloss {result['log_loss']:.4f}")
+              f"logloss {result['logloss']:.4f}")
       writer.flush()
   end = time.perf_counter()
   if warm is None:  # One interval only: nothing to leave out.
@@ -312,12 +309,12 @@ def run_worker(config: dict) -> dict:
   if is_chief:
     evaluation = evaluate()
     result.update(
-        checkpoint=saved, eval_auc=evaluation["auc"], eval_logloss=evaluation["log_loss"],
+        checkpoint=saved, eval_auc=evaluation["auc"], eval_logloss=evaluation["logloss"],
         eval_examples=evaluation["examples"],
         global_qps=measured_steps * cfg.local_batch_size * num_workers / measured_seconds)
     with writer.as_default(step=total * num_workers):
       tf.summary.scalar("eval/auc", evaluation["auc"])
-      tf.summary.scalar("eval/logloss", evaluation["log_loss"])
+      tf.summary.scalar("eval/logloss", evaluation["logloss"])
     writer.flush()
   return result
 
@@ -358,34 +355,21 @@ def summarize(config: TrainConfig, results: List[dict]) -> dict:
       "worker": int(r["task"]), "steps": int(r["worker_steps"]),
       "qps": r["measured_steps"] * config.local_batch_size / max(r["measured_seconds"], 1e-9),
       "injected_delay_seconds": round(r["delay_seconds"], 3)} for r in results]
-  return {
-      "mode": MODE, "model": config.model, "data": config.data, "num_ps": 0,
-      "num_workers": num_workers,
+  # Synchronous: every gradient is applied to the step it was computed for, none dropped, no
+  # barrier but the all-reduce (in the step time): the schema's defaults (training/summary.py).
+  return summary_lib.new(
+      config, mode=MODE, num_workers=num_workers,
       # Every global step aggregates one local batch from each worker.
-      "num_aggregate": num_workers, "local_batch_size": config.local_batch_size,
-      "global_batch_size": config.local_batch_size * num_workers,
-      "stragglers": config.stragglers,
-      # The all-reduce divides every gradient, embedding rows included, by N (absent rows zero).
-      "sparse_normalize": "num_aggregate",
-      "steps": steps,
-      "examples": steps * config.local_batch_size,
+      num_aggregate=num_workers, global_batch_size=config.local_batch_size * num_workers,
+      steps=steps, examples=steps * config.local_batch_size,
       # The training loop's time, as in the other modes (start-up and final evaluation apart).
-      "wall_seconds": chief["train_seconds"],
-      "global_qps": chief["global_qps"], "qps_measured_over_steps": measured,
-      "per_worker": per_worker,
-      "global_step": int(chief["global_step"]),
-      "start_global_step": int(chief["start_global_step"]),
-      # Synchronous: every gradient is applied to the step it was computed for, none dropped.
-      "pushes": steps, "mean_staleness": 0.0, "max_staleness": 0, "staleness_histogram": [],
-      "dropped_batches": 0, "dropped_gradients": 0, "dropped_embedding_rows": 0,
-      "nonfinite_gradients": 0, "duplicate_pushes": 0,
-      # Hop-BW's ignored gradients and Hop-BS's barrier: none here (the all-reduce is the only
-      # wait, and it is in the step time).
-      "ignored_gradients": 0, "blocked_seconds": 0.0, "max_lead": None,
-      "final_train_loss": chief["final_train_loss"], "eval_auc": chief["eval_auc"],
-      "eval_logloss": chief["eval_logloss"], "eval_examples": chief["eval_examples"],
-      "checkpoint": chief["checkpoint"],
-  }
+      wall_seconds=chief["train_seconds"],
+      global_qps=chief["global_qps"], qps_measured_over_steps=measured,
+      per_worker=per_worker, global_step=int(chief["global_step"]),
+      start_global_step=int(chief["start_global_step"]),
+      final_train_loss=chief["final_train_loss"], eval_auc=chief["eval_auc"],
+      eval_logloss=chief["eval_logloss"], eval_examples=chief["eval_examples"],
+      checkpoint=chief["checkpoint"])
 
 
 def run_sync(config: TrainConfig, timeout_s: float = 24 * 3600.0) -> dict:
@@ -399,9 +383,7 @@ def run_sync(config: TrainConfig, timeout_s: float = 24 * 3600.0) -> dict:
     tf_gba.distribute.collective_cluster.ClusterError: a worker failed or `timeout_s` passed; the
       message holds the end of each worker's log.
   """
-  # Imported here: the runner imports this module to dispatch --mode=sync.
   from tf_gba.distribute.collective_cluster import run_collective_cluster  # pylint: disable=g-import-not-at-top
-  from tf_gba.training.runner import print_summary  # pylint: disable=g-import-not-at-top
 
   if os.environ.get("TF_CONFIG"):
     raise ValueError("--mode=sync starts its own worker processes on this machine; TF_CONFIG is "
@@ -430,7 +412,6 @@ def run_sync(config: TrainConfig, timeout_s: float = 24 * 3600.0) -> dict:
     stop.set()
     echo.join(5.0)
   summary = summarize(config, results)
-  with open(os.path.join(config.model_dir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  print_summary(summary)
+  summary_lib.write(config.model_dir, summary)
+  summary_lib.print_summary(summary)
   return summary

@@ -42,6 +42,14 @@ int64_t UnixNs() {
       .count();
 }
 
+// First step of this process: starts the clock a trace profile and the straggler position read
+// (also without a profile, so that a checkpoint's position is the same with or without one).
+void MarkFirstStep(int64_t now) {
+  if (g_first_mono_ns.load() != 0) return;
+  int64_t expected = 0;
+  if (g_first_mono_ns.compare_exchange_strong(expected, now)) g_first_unix_ns = UnixNs();
+}
+
 }  // namespace
 
 class StepBeginOp : public OpKernel {
@@ -49,8 +57,7 @@ class StepBeginOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     const int64_t now = MonoNs();
-    int64_t expected = 0;
-    if (g_first_mono_ns.compare_exchange_strong(expected, now)) g_first_unix_ns = UnixNs();
+    MarkFirstStep(now);
     Tensor* out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<int64_t>()() = now;
@@ -93,6 +100,17 @@ class StepEndOp : public OpKernel {
   StragglerProfile profile_;
 };
 
+class StepCountOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    MarkFirstStep(MonoNs());
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = g_steps.fetch_add(1) + 1;
+  }
+};
+
 class WorkerStepStatsOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -129,6 +147,7 @@ class SetStepPositionOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("GBA>StepBegin").Device(::tensorflow::DEVICE_CPU), StepBeginOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>StepEnd").Device(::tensorflow::DEVICE_CPU), StepEndOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>StepCount").Device(::tensorflow::DEVICE_CPU), StepCountOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>SetStepPosition").Device(::tensorflow::DEVICE_CPU),
                         SetStepPositionOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>WorkerStepStats").Device(::tensorflow::DEVICE_CPU),

@@ -262,6 +262,16 @@ the step. Profiles: 'none'; 'persistent;<task>=<factor>,...'; 'transient;<p>;<fa
 'trace;<window seconds>;<task>=<f0>:<f1>:...,...'; several joined by '+', factors multiply.
 )doc");
 
+REGISTER_OP("GBA>StepCount")
+    .Output("steps: int64")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
+    .Doc(R"doc(
+Counts a step on this worker without timing it and returns the count so far: what a step runs
+when no straggler profile is set (GBA>StepEnd counts the steps it times and stretches). Like
+GBA>StepBegin, the process's first call starts the clock of its straggler position.
+)doc");
+
 REGISTER_OP("GBA>WorkerStepStats")
     .Output("stats: int64")
     .SetIsStateful()

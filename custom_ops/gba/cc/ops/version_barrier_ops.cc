@@ -7,35 +7,14 @@
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
+#include "custom_ops/common/shape_util.h"
+
 namespace tf_gba {
-
-using ::tensorflow::Status;
-using ::tensorflow::shape_inference::InferenceContext;
-using ::tensorflow::shape_inference::ShapeHandle;
-
-namespace {
-
-Status ScalarInputs(InferenceContext* c) {
-  ShapeHandle unused;
-  for (int i = 0; i < c->num_inputs(); ++i) {
-    TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
-  }
-  return ::tensorflow::OkStatus();
-}
-
-}  // namespace
 
 REGISTER_OP("GBA>VersionBarrierCreate")
     .Output("handle: resource")
-    .Attr("num_workers: int")
     .Attr("initial_version: int = 0")
-    .Attr("container: string = ''")
-    .Attr("shared_name: string = ''")
-    .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Scalar());
-      return ::tensorflow::OkStatus();
-    })
+    .TF_GBA_WORKER_RESOURCE_ATTRS
     .Doc(R"doc(
 Creates (or finds, by shared_name) a version barrier for num_workers workers, at model version
 initial_version, with no worker having pushed yet. Its state is transient (not checkpointed).
@@ -48,11 +27,7 @@ REGISTER_OP("GBA>VersionBarrierWait")
     .Output("skip: bool")
     .Output("waited_ns: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(ScalarInputs(c));
-      for (int i = 0; i < 3; ++i) c->set_output(i, c->Scalar());
-      return ::tensorflow::OkStatus();
-    })
+    .SetShapeFn(ScalarInputsOutputs<0>)
     .Doc(R"doc(
 Returns once the model version is greater than the last version `worker` pushed a gradient for
 (at once if it already is, or if the worker has not pushed yet), with that version and
@@ -69,11 +44,7 @@ REGISTER_OP("GBA>VersionBarrierReport")
     .Input("num_buffers: int64")
     .Output("current_version: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(ScalarInputs(c));
-      c->set_output(0, c->Scalar());
-      return ::tensorflow::OkStatus();
-    })
+    .SetShapeFn(ScalarInputsOutputs<0>)
     .Doc(R"doc(
 Called after a step's pushes (and the updates they completed) are done. pushed: whether the step
 pushed a gradient computed on `version`; completed: how many of the step's num_buffers gradient
@@ -85,7 +56,7 @@ return. Returns the version after the report.
 REGISTER_OP("GBA>VersionBarrierRelease")
     .Input("handle: resource")
     .SetIsStateful()
-    .SetShapeFn(ScalarInputs)
+    .SetShapeFn(ScalarInputsOutputs<0>)
     .Doc(R"doc(
 Lets every wait blocked right now return with skip=true (the end of training, when the workers
 that would move the version on have no steps left).
@@ -100,12 +71,7 @@ REGISTER_OP("GBA>VersionBarrierStats")
     .Output("blocked_ns: int64")
     .Output("waiting: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(ScalarInputs(c));
-      c->set_output(0, c->Scalar());
-      for (int i = 1; i < 6; ++i) c->set_output(i, c->Vector(c->UnknownDim()));
-      return ::tensorflow::OkStatus();
-    })
+    .SetShapeFn(ScalarInputsOutputs<0b111110u>)
     .Doc(R"doc(
 The current version and, per worker: gradients reported pushed, of those the ones for a version
 the worker had already pushed for (0 unless the barrier was bypassed), waits released with

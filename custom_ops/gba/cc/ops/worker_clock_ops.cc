@@ -6,35 +6,13 @@
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
+#include "custom_ops/common/shape_util.h"
+
 namespace tf_gba {
-
-using ::tensorflow::Status;
-using ::tensorflow::shape_inference::InferenceContext;
-using ::tensorflow::shape_inference::ShapeHandle;
-
-namespace {
-
-// Every input is a scalar: the handle and the int64 arguments.
-Status AllInputsScalar(InferenceContext* c) {
-  ShapeHandle unused;
-  for (int i = 0; i < c->num_inputs(); ++i) {
-    TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
-  }
-  return ::tensorflow::OkStatus();
-}
-
-}  // namespace
 
 REGISTER_OP("GBA>WorkerClockCreate")
     .Output("handle: resource")
-    .Attr("num_workers: int")
-    .Attr("container: string = ''")
-    .Attr("shared_name: string = ''")
-    .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Scalar());
-      return ::tensorflow::OkStatus();
-    })
+    .TF_GBA_WORKER_RESOURCE_ATTRS
     .Doc(R"doc(
 Creates (or finds, by shared_name) a worker clock: for each of num_workers workers, the number of
 steps it has completed. Its state is transient (not checkpointed).
@@ -48,12 +26,7 @@ REGISTER_OP("GBA>WorkerClockWait")
     .Output("waited_ns: int64")
     .Output("timed_out: bool")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(AllInputsScalar(c));
-      c->set_output(0, c->Scalar());
-      c->set_output(1, c->Scalar());
-      return ::tensorflow::OkStatus();
-    })
+    .SetShapeFn(ScalarInputsOutputs<0>)
     .Doc(R"doc(
 Returns once completed[worker] - min_j completed[j] <= bound (at once if that already holds).
 The kernel is asynchronous: a blocked wait holds no thread. After timeout_ms milliseconds it
@@ -66,7 +39,7 @@ REGISTER_OP("GBA>WorkerClockTick")
     .Input("handle: resource")
     .Input("worker: int64")
     .SetIsStateful()
-    .SetShapeFn(AllInputsScalar)
+    .SetShapeFn(ScalarInputsOutputs<0>)
     .Doc("Records one more completed step of `worker` and releases every wait that may now go.");
 
 REGISTER_OP("GBA>WorkerClockStats")
@@ -77,12 +50,7 @@ REGISTER_OP("GBA>WorkerClockStats")
     .Output("timeouts: int64")
     .Output("max_lead: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(AllInputsScalar(c));
-      for (int i = 0; i < 4; ++i) c->set_output(i, c->Vector(c->UnknownDim()));
-      c->set_output(4, c->Scalar());
-      return ::tensorflow::OkStatus();
-    })
+    .SetShapeFn(ScalarInputsOutputs<0b1111u>)
     .Doc(R"doc(
 Per worker: steps completed, total time spent in waits (ns), waits that returned (including
 timeouts) and waits that timed out. max_lead is the largest completed[w] - min_j completed[j]
@@ -93,17 +61,13 @@ REGISTER_OP("GBA>WorkerClockWaiting")
     .Input("handle: resource")
     .Output("waiting: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(AllInputsScalar(c));
-      c->set_output(0, c->Vector(c->UnknownDim()));
-      return ::tensorflow::OkStatus();
-    })
+    .SetShapeFn(ScalarInputsOutputs<0b1u>)
     .Doc("Per worker, the number of waits blocked right now.");
 
 REGISTER_OP("GBA>WorkerClockReset")
     .Input("handle: resource")
     .SetIsStateful()
-    .SetShapeFn(AllInputsScalar)
+    .SetShapeFn(ScalarInputsOutputs<0>)
     .Doc(R"doc(
 Zeroes every counter and statistic. All workers are then level, so every blocked wait returns
 (timed_out=false): the way to release workers still waiting when training ends.
@@ -114,10 +78,7 @@ REGISTER_OP("GBA>WorkerIndex")
     // Stateful: the value depends on where the op is placed, so it must never be constant-folded
     // (on the client, where it would always be 0).
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Scalar());
-      return ::tensorflow::OkStatus();
-    })
+    .SetShapeFn(ScalarInputsOutputs<0>)
     .Doc(R"doc(
 The task index i of the worker this op runs on, read from its device name
 /job:worker/replica:0/task:<i>; 0 on a device that is not a worker's (e.g. a single process).

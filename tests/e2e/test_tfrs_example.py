@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import shared_data
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 tfrs = pytest.importorskip("tensorflow_recommenders")
 

@@ -20,7 +20,7 @@ import tensorflow as tf
 from tf_gba.ops import worker_clock
 from tf_gba.ops.worker_clock import WorkerClock
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEADLINE_S = 120.0  # for things that must happen: only ever reached by a bug (or a hang)
 NO_TIMEOUT = 0
 LONG_TIMEOUT_MS = 600_000  # a timeout that must never fire: a wrong release shows as timed_out

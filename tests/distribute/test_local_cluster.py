@@ -10,7 +10,7 @@ import pytest
 
 from tf_gba.distribute import LocalCluster
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _alive(pid: int) -> bool:

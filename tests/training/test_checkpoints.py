@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tf_gba.training import preflight
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _train(*args, timeout=400):

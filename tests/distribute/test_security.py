@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from tests import test_fault_drills as drills
+from tests.e2e import test_fault_drills as drills
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _MACHINE, _OUTSIDE = "192.0.2.1", "192.0.2.2"
 
 

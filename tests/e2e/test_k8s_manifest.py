@@ -9,7 +9,7 @@ from absl import flags
 from tf_gba.distribute import server
 from tf_gba.training import TrainConfig
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _BINARY = [".venv/bin/python", "examples/train.py"]
 _SERVER = [".venv/bin/python", "-m", "tf_gba.distribute.server"]
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _STEPS = 400          # worker steps
 _CHECKPOINT_EVERY = 40  # worker steps
 _TIME_LIMIT_S = 420

@@ -16,7 +16,7 @@ import pytest
 
 from tests import shared_data
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SMALL = ["--num_workers=1", "--num_ps=1", "--steps=20", "--log_every=10",
           "--local_batch_size=64", "--eval_examples=512", "--stragglers=none"]
 

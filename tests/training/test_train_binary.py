@@ -10,7 +10,7 @@ from absl import flags
 from tests import shared_data
 from tf_gba.training import preflight
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _load_binary():

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from tests import test_fault_drills as drills
+from tests.e2e import test_fault_drills as drills
 from tf_gba.data import data_list as data_list_lib
 
 

@@ -4,7 +4,7 @@ Needs a CUDA GPU and op libraries built with their CUDA kernels (`make cuda-buil
 TF_GBA_OPS_DIR=build/cuda/tf_gba/ops; docs/building.md). tests/conftest.py hides GPUs unless
 CUDA_VISIBLE_DEVICES is set, so run these with it:
 
-  CUDA_VISIBLE_DEVICES=0 TF_GBA_OPS_DIR=build/cuda/tf_gba/ops pytest -m gpu tests/test_gpu_kernels.py
+  CUDA_VISIBLE_DEVICES=0 TF_GBA_OPS_DIR=build/cuda/tf_gba/ops pytest -m gpu tests/ops/test_gpu_kernels.py
 
 Every test is skipped ("needs a CUDA GPU") where TensorFlow sees no GPU. Soft device placement is
 turned off, so an op without a GPU kernel fails instead of quietly running on the CPU.

@@ -14,7 +14,7 @@ import sys
 
 from tf_gba.distribute.local_cluster import free_ports
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _recipe() -> str:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SMALL = ["--mode=gba", "--num_ps=1", "--num_workers=2", "--steps=40", "--log_every=20",
           "--local_batch_size=64", "--eval_examples=512", "--stragglers=transient:0.2:4",
           "--data_options=num_examples=20000"]

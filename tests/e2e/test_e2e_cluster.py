@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 JOB = [sys.executable, "-m", "tests.e2e.gba_fit_job"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_job(tmp_path, name, *flags, timeout=420):

@@ -1,0 +1,151 @@
+"""The mode registry: what the binary, TrainConfig, the runner and the benchmarks read from it."""
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tf_gba.training import mode_registry
+from tf_gba.training.config import TrainConfig
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _reference_m(mode, n, local, global_batch=None, b2=None, b3=None):
+  """M by the SPEC's rules, written out here."""
+  default_fifth = max(1, int(n / 5 + 0.5))  # round(N / 5), N / 5 never a tie at .5 below
+  if mode in ("async", "async_tuned", "dts"):
+    return 1
+  if mode == "bsp":
+    return b2 or default_fifth
+  if mode == "hop_bs":
+    return n
+  if mode == "hop_bw":
+    return n - (default_fifth if b3 is None else b3) if n > 1 else n
+  return (global_batch or local * n) // local  # gba, sync: the synchronous global batch
+
+
+@pytest.mark.parametrize("mode", mode_registry.names())
+@pytest.mark.parametrize("n,local,global_batch,b2,b3", [
+    (4, 256, None, None, None), (8, 128, 2048, 3, 2), (12, 64, 384, None, None),
+    (1, 32, None, None, None)])
+def test_m_rule_of_every_mode(mode, n, local, global_batch, b2, b3):
+  if mode != "gba":
+    global_batch = None  # only GBA takes another global batch
+  cfg = TrainConfig(mode=mode, num_workers=n, local_batch_size=local,
+                    global_batch_size=global_batch, bsp_aggregate=b2,
+                    hop_bw_backup=b3 if n > 1 else None, steps=10)
+  cfg.validate()
+  want = _reference_m(mode, n, local, global_batch, b2, b3 if n > 1 else None)
+  assert cfg.num_aggregate == want
+  if mode in ("bsp", "hop_bs", "hop_bw"):
+    assert cfg.global_batch == want * local
+  else:
+    assert cfg.global_batch == (global_batch or local * n)
+
+
+def test_every_mode_runs_an_existing_function_and_names_its_flags():
+  flags_of_binary = _binary_flags()
+  for mode in mode_registry.all_modes():
+    module, _, attr = mode.run.target.partition(":")
+    assert callable(getattr(importlib.import_module(module), attr)), mode.name
+    assert mode.flags <= flags_of_binary, (mode.name, mode.flags - flags_of_binary)
+    assert mode.help and "\n" not in mode.help
+    if mode.kind == mode_registry.PARAMETER_SERVER:
+      from tf_gba.distribute import modes  # pylint: disable=g-import-not-at-top
+      assert mode.strategy_mode in modes.MODES
+    if mode.parameter:
+      assert mode.parameter in mode.flags
+
+
+def _binary_flags():
+  spec = importlib.util.spec_from_file_location(
+      "tf_gba_train_binary", os.path.join(_ROOT, "examples", "train.py"))
+  train = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(train)
+  train.define_flags()
+  return set(train.FLAGS)
+
+
+def test_binary_mode_enum_and_help_come_from_the_registry():
+  _binary_flags()
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flag = flags.FLAGS["mode"]
+  assert tuple(flag.parser.enum_values) == mode_registry.names()
+  for mode in mode_registry.all_modes():
+    assert f"{mode.name}: {mode.help}" in flag.help
+
+
+def test_unused_flags():
+  assert mode_registry.unused_flags("async", ["bsp_aggregate", "steps", "model"]) == [
+      "bsp_aggregate"]
+  assert mode_registry.unused_flags("bsp", ["bsp_aggregate", "input", "stragglers"]) == []
+  assert mode_registry.unused_flags("sync", ["input", "hop_bw_backup", "stragglers"]) == [
+      "hop_bw_backup", "input"]
+  assert mode_registry.unused_flags("dts", ["dts_delay", "stragglers"]) == ["stragglers"]
+  message = mode_registry.unused_flags_message("async", ["bsp_aggregate"])
+  assert message == "--mode=async does not use --bsp_aggregate (used by bsp); drop it"
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--mode=async", "--bsp_aggregate=3"], "--bsp_aggregate"),
+    (["--mode=sync", "--input=sharded"], "--input"),
+    (["--mode=gba", "--dts_delay=2"], "--dts_delay"),
+])
+def test_binary_refuses_a_flag_the_mode_does_not_use(tmp_path, args, flag):
+  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.run([sys.executable, os.path.join(_ROOT, "examples", "train.py"), *args,
+                         f"--model_dir={tmp_path / 'm'}"], capture_output=True, text=True,
+                        env=env, timeout=120, check=False)
+  assert proc.returncode == 2
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("train.py: error: ") and flag in lines[0]
+  assert "does not use" in lines[0]
+  assert not os.path.exists(tmp_path / "m")  # refused before anything ran
+
+
+def test_a_registered_mode_is_known_to_config_and_benchmarks():
+  """Adding a mode is one register() call: the config validates it, the lists show it."""
+  calls = []
+  mode = mode_registry.register(mode_registry.Mode(
+      name="test_only_mode", help="a mode of this test", kind=mode_registry.COLLECTIVE,
+      run=lambda cfg: calls.append(cfg) or {"mode": cfg.mode},
+      num_aggregate=lambda cfg: 7, flags=frozenset({"dts_delay"})))
+  try:
+    cfg = TrainConfig(mode="test_only_mode", steps=5)
+    cfg.validate()
+    assert cfg.num_aggregate == 7 and not cfg.uses_data_list
+    assert "test_only_mode" in mode_registry.names()
+    assert mode_registry.unused_flags("test_only_mode", ["dts_delay", "input"]) == ["input"]
+    assert mode_registry.get("test_only_mode").run(cfg) == {"mode": "test_only_mode"}
+    assert calls == [cfg]
+    with pytest.raises(ValueError, match="registered twice"):
+      mode_registry.register(mode)
+  finally:
+    mode_registry._REGISTRY.pop("test_only_mode")  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="--mode must be one of"):
+    TrainConfig(mode="test_only_mode", steps=5).validate()
+
+
+def test_benchmarks_read_the_registry():
+  from benchmarks import mode_qps  # pylint: disable=g-import-not-at-top
+  from benchmarks import switching  # pylint: disable=g-import-not-at-top
+  assert switching.ALL_MODES == mode_registry.names(compared=True)
+  assert set(switching.EXTRA_MODES) == {"async_tuned"}
+  assert switching.SWEPT == {"bsp": "bsp_aggregate", "hop_bs": "hop_bs_bound",
+                             "hop_bw": "hop_bw_backup"}
+  assert not mode_qps._has_input("sync") and mode_qps._has_input("gba")  # pylint: disable=protected-access
+
+
+def test_mode_checks_of_a_mode_live_with_its_entry():
+  with pytest.raises(ValueError, match="--dts_delay and --dts_period must be >= 1"):
+    TrainConfig(mode="dts", dts_delay=0, steps=5).validate()
+  with pytest.raises(ValueError, match="--eval_day is not supported with --mode=dts"):
+    TrainConfig(mode="dts", eval_day=1, steps=5).validate()
+  cfg = dataclasses.replace(TrainConfig(mode="dts", steps=5), dts_inner="adam")
+  with pytest.raises(ValueError, match="--dts_inner must be 'sgd' or 'momentum'"):
+    cfg.validate()
