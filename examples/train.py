@@ -35,12 +35,13 @@ def define_flags() -> None:
   if "mode" in FLAGS:
     return
   flags.DEFINE_enum("mode", "gba", ["gba", "async", "bsp", "hop_bs", "hop_bw", "sync", "dts",
-                                    "async_tuned"],
+                                    "async_tuned", "auto"],
                     "Parameter-server modes: gba, async, bsp, hop_bs, hop_bw; all-reduce "
                     "modes: sync (synchronous workers) and dts (delayed and temporally sparse "
                     "all-reduce). The same model, data and hyper-parameters in every mode, "
                     "except async_tuned: async with its own Adagrad, learning rate and local "
-                    "batch (the paper's Async row).")
+                    "batch (the paper's Async row). auto: starts in sync and switches between "
+                    "sync and gba from measured step times (--auto_*).")
   flags.DEFINE_enum("model", "deepfm", ["deepfm", "dcn", "youtube_dnn"], "Model.")
   flags.DEFINE_string("data", "synthetic",
                       "'synthetic', 'criteo:<file, glob or dir>' or 'movielens100k:<dir>'.")
@@ -134,6 +135,15 @@ def define_flags() -> None:
                     "Keep the log files of this process and of the local cluster's servers (in "
                     "<model_dir>/logs); by default they go to a temporary directory deleted at "
                     "the end of the run.")
+  # --mode=auto (tf_gba/training/auto_policy.py).
+  flags.DEFINE_float("auto_margin", 0.3, "--mode=auto: switch sync -> gba when GBA's predicted "
+                     "QPS is at least (1 + margin) x Sync's.")
+  flags.DEFINE_float("auto_hysteresis", 0.15, "--mode=auto: switch gba -> sync when the "
+                     "predicted gain falls below 1 + margin - hysteresis.")
+  flags.DEFINE_float("auto_dwell_s", 20.0, "--mode=auto: seconds trained in a mode before it "
+                     "may be left.")
+  flags.DEFINE_integer("auto_confirm", 2, "--mode=auto: consecutive progress lines that must "
+                       "agree before a switch.")
 
 
 def _task_type() -> str:
@@ -171,7 +181,9 @@ def main(argv=None):
       checkpoint_every_steps=FLAGS.checkpoint_every_steps,
       checkpoint_every_secs=FLAGS.checkpoint_every_secs, keep_checkpoints=FLAGS.keep_checkpoints,
       input=FLAGS.input, tfdata_workers=FLAGS.tfdata_workers,
-      tfdata_dispatcher=FLAGS.tfdata_dispatcher, stall_timeout_s=FLAGS.stall_timeout_s)
+      tfdata_dispatcher=FLAGS.tfdata_dispatcher, stall_timeout_s=FLAGS.stall_timeout_s,
+      auto_margin=FLAGS.auto_margin, auto_hysteresis=FLAGS.auto_hysteresis,
+      auto_dwell_s=FLAGS.auto_dwell_s, auto_confirm=FLAGS.auto_confirm)
   return run(config)
 
 
@@ -233,7 +245,7 @@ _SUPERVISOR_ENV = "TF_GBA_SUPERVISOR_PID"
 def _supervised() -> bool:
   """Whether this process should run the job as a child it restarts after a failure."""
   return (not os.environ.get("TF_CONFIG") and FLAGS.max_restarts > 0 and
-          FLAGS.mode not in ("sync", "dts") and _SUPERVISOR_ENV not in os.environ)
+          FLAGS.mode not in ("sync", "dts", "auto") and _SUPERVISOR_ENV not in os.environ)
 
 
 def _supervise() -> int:

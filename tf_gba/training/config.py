@@ -13,6 +13,9 @@ PS_MODES = modes_lib.MODES
 # own (Adagrad, its own learning rate and local batch), not Sync's as plain "async" keeps them.
 ASYNC_TUNED = "async_tuned"
 MODES = PS_MODES + ("sync", "dts", ASYNC_TUNED)
+# --mode=auto: starts in Sync, switches between Sync and GBA from measured step times.
+AUTO = "auto"
+MODES = MODES + (AUTO,)
 MODEL_NAMES = ("deepfm", "dcn", "youtube_dnn")
 INPUTS = ("shared", "sharded")
 # Worker steps of a run that reads static shards and sets no --steps (the original default).
@@ -89,6 +92,13 @@ class TrainConfig:
   tfdata_dispatcher: str = ""
   # A day whose steps make no progress this long ends, reporting the batches not trained on.
   stall_timeout_s: float = 120.0
+  # --mode=auto (tf_gba.training.auto_policy.PolicyConfig): to GBA at a predicted gain
+  # >= 1 + margin, back to Sync below 1 + margin - hysteresis, after dwell_s seconds in a mode and
+  # confirm consecutive observations.
+  auto_margin: float = 0.3
+  auto_hysteresis: float = 0.15
+  auto_dwell_s: float = 20.0
+  auto_confirm: int = 2
 
   def __post_init__(self):
     if self.steps is None and not self.day_mode_possible:
@@ -189,6 +199,9 @@ class TrainConfig:
             f"--global_batch_size={self.global_batch_size} is not a multiple of "
             f"--local_batch_size={self.local_batch_size}: GBA aggregates a whole number "
             "M = global / local of local batches per step. Pick sizes that divide.")
+    if self.mode == AUTO:
+      from tf_gba.training import auto_job  # pylint: disable=g-import-not-at-top
+      auto_job.validate(self)
     modes_lib.check_parameters(self.mode, self.num_workers, self.bsp_aggregate, self.hop_bs_bound,
                                self.hop_bs_timeout_s, self.hop_bw_backup, prefix="--")
     stragglers_lib.parse(self.stragglers)  # raises with a message on a bad profile
@@ -218,7 +231,7 @@ class TrainConfig:
     """M: local batches per global step (1 in async mode, where every push is a step)."""
     if self.mode in ("async", "dts", ASYNC_TUNED):
       return 1
-    if self.mode in ("gba", "sync"):
+    if self.mode in ("gba", "sync", AUTO):
       return (self.global_batch_size or self.local_batch_size * self.num_workers
               ) // self.local_batch_size
     return modes_lib.num_aggregate_for(self.mode, self.num_workers,

@@ -378,8 +378,13 @@ def _dispatcher_address(config: TrainConfig, cluster) -> str:
   return cluster.tfdata_dispatcher if cluster is not None else config.tfdata_dispatcher
 
 
-def run(config: TrainConfig) -> dict:
-  """Trains as `config` says and returns the summary."""
+def run(config: TrainConfig, callbacks=()) -> dict:
+  """Trains as `config` says and returns the summary.
+
+  `callbacks`: more Keras callbacks for the parameter-server modes' `fit` (called after the
+  progress line of each interval, each with `.job`, this run's `_Job`, set before training); one
+  that sets `model.stop_training` ends the run there, checkpointed and summarized as a full one.
+  """
   # Flags, data and model_dir, before any server starts: a fault is one line, not a traceback
   # from a worker a minute later.
   data_report = preflight.check(config)
@@ -387,6 +392,9 @@ def run(config: TrainConfig) -> dict:
   tf.get_logger().setLevel("WARNING")
   absl_logging.set_verbosity(absl_logging.WARNING)
   os.makedirs(config.model_dir, exist_ok=True)
+  if config.mode == "auto":  # Sync and GBA in turn, from measured step times
+    from tf_gba.training import auto_job  # pylint: disable=g-import-not-at-top
+    return auto_job.run(config)
   if config.mode == "dts":
     preflight.write_metadata(config)
     return _add_data_report(config, _run_dts(config), data_report)
@@ -464,11 +472,14 @@ def run(config: TrainConfig) -> dict:
       # Recorded now: a resumption that fails in turn still counts what it re-read.
       batches_reread = recovery.add_batches_reread(config.model_dir, shared.batches_reread)
     progress = _Progress(job)
-    callbacks = [progress]
+    extra_callbacks, callbacks = list(callbacks), [progress]
     periodic = None
     if config.checkpoint_every_steps or config.checkpoint_every_secs:
       periodic = PeriodicCheckpoint(job)
       callbacks.append(periodic)
+    for extra in extra_callbacks:
+      extra.job = job
+      callbacks.append(extra)
     t0 = time.time()
     history = keras.callbacks.History()
     history.history = {}
@@ -481,6 +492,8 @@ def run(config: TrainConfig) -> dict:
         history = job.model.fit(keras.utils.experimental.DatasetCreator(job.dataset_fn),
                                 epochs=epochs, steps_per_epoch=epoch_steps(config), verbose=0,
                                 callbacks=callbacks)
+        # Fewer when a callback stopped the run early.
+        epochs = max(1, len(history.history.get("loss", [])))
     except Exception as e:  # pylint: disable=broad-except
       _raise_if_ps_lost(e, cluster)
       raise
