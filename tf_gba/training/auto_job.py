@@ -116,6 +116,10 @@ def run(config: TrainConfig) -> dict:
   summary = None
   while remaining > 0:
     stay = dataclasses.replace(base, mode=mode, steps=remaining)
+    if mode == auto_policy.SYNC:
+      # Sync's progress lines come every log_every global steps (N worker steps each): observe
+      # both modes over about the same number of worker steps.
+      stay = dataclasses.replace(stay, log_every=max(1, config.log_every // config.num_workers))
     stay_t0 = time.time()
     if mode == auto_policy.SYNC:
       preflight.write_metadata(stay)
