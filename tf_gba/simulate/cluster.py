@@ -38,6 +38,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from tf_gba.distribute import modes as modes_lib
 from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.ops import gba_ops
 from tf_gba.simulate import logic
@@ -45,12 +46,9 @@ from tf_gba.simulate import logic
 MODES = ("sync", "async", "gba", "bsp", "hop_bs", "hop_bw")
 
 
-def default_bsp_aggregate(num_workers: int) -> int:
-  return max(1, round(num_workers / 5))
-
-
-def default_hop_bw_backup(num_workers: int) -> int:
-  return max(1, round(num_workers / 5)) if num_workers > 1 else 0
+# The baselines' defaults are the real modes' (b2, b3 = N / 5, b1 = 2), not copies of them.
+default_bsp_aggregate = modes_lib.default_bsp_aggregate
+default_hop_bw_backup = modes_lib.default_hop_bw_backup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +67,7 @@ class SimConfig:
   iota: int = 3
   gba_num_aggregate: Optional[int] = None    # M; None: N
   bsp_aggregate: Optional[int] = None        # b2; None: max(1, round(N / 5))
-  hop_bs_bound: int = 2                      # b1
+  hop_bs_bound: int = modes_lib.DEFAULT_HOP_BS_BOUND  # b1
   hop_bw_backup: Optional[int] = None        # b3; None: max(1, round(N / 5))
   histogram_bins: int = 16
   # Where a step's slowdown lies. False: inside the compute, before the push (a slow machine).
