@@ -60,6 +60,7 @@ class AutoWatch(keras.callbacks.Callback):
     self.policy = policy
     self.job = None  # set by the runner
     self.decision: Optional[dict] = None
+    self.skip_evaluation = False  # read by the runner: a stay that hands over is not evaluated
     self.timeline: List[dict] = []
     self._log = log
     self._last = None
@@ -88,6 +89,7 @@ class AutoWatch(keras.callbacks.Callback):
     if decision is not None:
       decision["at_step"] = int(steps.sum())
       self.decision = decision
+      self.skip_evaluation = True
       self._log(f"auto: switching gba -> sync: predicted gain {decision['predicted_gain']:.2f} < "
                 f"{decision['threshold']:.2f}; per-worker step seconds "
                 + " ".join(f"{x:.3f}" for x in decision["per_worker_step_seconds"]))

@@ -374,6 +374,9 @@ class _Job:
             "examples": int(len(labels))}
 
 
+_NOT_EVALUATED = {"auc": float("nan"), "logloss": float("nan"), "examples": 0}
+
+
 def _dispatcher_address(config: TrainConfig, cluster) -> str:
   return cluster.tfdata_dispatcher if cluster is not None else config.tfdata_dispatcher
 
@@ -512,7 +515,10 @@ def run(config: TrainConfig, callbacks=()) -> dict:
     stats = _optimizer_stats(job.optimizer)
     stats["hop_bs"] = strategy.hop_bs_stats()
     stats["hop_bw"] = strategy.hop_bw_stats()
-    evaluation = job.evaluate()
+    # A callback that ended the run to hand over to another job (--mode=auto) skips the
+    # evaluation: the job that continues evaluates.
+    evaluation = (_NOT_EVALUATED if any(getattr(c, "skip_evaluation", False)
+                                        for c in extra_callbacks) else job.evaluate())
     saved = job.save_checkpoint()
     recovery.report(config.model_dir, stats["global_step"], finished=True)
     if shared is not None:

@@ -379,7 +379,9 @@ def run_worker(config: dict, auto: dict = None) -> dict:
     result["auto"] = {"decision": decision, "observations": policy.observations,
                       "timeline": timeline}
   if is_chief:
-    evaluation = evaluate()
+    # A stay that hands over to GBA (--mode=auto) is not evaluated: the job that continues is.
+    evaluation = (evaluate() if decision is None else
+                  {"auc": float("nan"), "log_loss": float("nan"), "examples": 0})
     result.update(
         checkpoint=saved, eval_auc=evaluation["auc"], eval_logloss=evaluation["log_loss"],
         eval_examples=evaluation["examples"],
