@@ -68,11 +68,14 @@ def plot_timeline(summary: dict, path: str, window_s: float) -> None:
   for mode in ("sync", "gba"):
     pts = [p for p in summary["timeline"] if p["mode"] == mode]
     ax.scatter([p["seconds"] for p in pts], [p["qps"] for p in pts], s=10, color=colors[mode],
-               label=f"{mode} (shaded: the job's stay in {mode})")
+               label=f"{mode} (shaded: the process set of the stay in {mode})")
+  top = max(p["qps"] for p in summary["timeline"]) * 1.1
+  ax.set_ylim(0, top * 1.12)
   for sw in summary["switches"]:
-    ax.axvline(sw["at_seconds"], color="k", lw=0.8, ls="--")
-    ax.annotate(f"{sw['from']}->{sw['to']}\ngain {sw['predicted_gain']:.2f}",
-                (sw["at_seconds"], ax.get_ylim()[1] * 0.95), fontsize=8, ha="left", va="top")
+    decided = sw.get("decided_at_seconds") or sw["at_seconds"]
+    ax.axvline(decided, color="k", lw=0.8, ls="--")
+    ax.annotate(f"{sw['from']}->{sw['to']} decided\ngain {sw['predicted_gain']:.2f}",
+                (decided, top * 1.1), fontsize=8, ha="right", va="top")
   ax.set_xlabel("seconds since the job started (switches included)")
   ax.set_ylabel("QPS over the last interval")
   ax.set_title(f"--mode=auto on a trace: stragglers in the worker-clock window "
@@ -98,7 +101,13 @@ def main(argv=None):
   p.add_argument("--modes", default="sync,gba,auto")
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_auto"))
   p.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "auto_timeline.png"))
+  p.add_argument("--replot", default=None,
+                 help="only draw the timeline of this auto run's summary.json")
   args = p.parse_args(argv)
+  if args.replot:
+    with open(args.replot) as f:
+      plot_timeline(json.load(f), args.plot, args.window_s)
+    return None
   if args.steps is None:
     args.steps = default_steps(args.window_s, args.factor, args.num_workers, args.compute_ms)
   os.makedirs(args.out, exist_ok=True)

@@ -142,7 +142,10 @@ def run(config: TrainConfig) -> dict:
                   "step": done_steps + p["steps"]} for p in points]
     if decision is not None:
       switches.append({
-          "at_step": done_steps + decision["at_step"], "at_seconds": time.time() - t_start,
+          "at_step": done_steps + decision["at_step"],
+          # When the policy decided (its last observation), and when the next mode took over.
+          "decided_at_seconds": points[-1]["unix"] - t_start if points else None,
+          "at_seconds": time.time() - t_start,
           "from": decision["from"], "to": decision["to"],
           "predicted_gain": decision["predicted_gain"], "threshold": decision["threshold"],
           "predicted_sync_qps": decision["predicted_sync_qps"],
