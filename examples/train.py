@@ -132,6 +132,15 @@ def define_flags() -> None:
                     "Keep the log files of this process and of the local cluster's servers (in "
                     "<model_dir>/logs); by default they go to a temporary directory deleted at "
                     "the end of the run.")
+  # --mode=auto (tf_gba/training/auto_policy.py).
+  flags.DEFINE_float("auto_margin", 0.3, "--mode=auto: switch sync -> gba when GBA's predicted "
+                     "QPS is at least (1 + margin) x Sync's.")
+  flags.DEFINE_float("auto_hysteresis", 0.15, "--mode=auto: switch gba -> sync when the "
+                     "predicted gain falls below 1 + margin - hysteresis.")
+  flags.DEFINE_float("auto_dwell_s", 20.0, "--mode=auto: seconds trained in a mode before it "
+                     "may be left.")
+  flags.DEFINE_integer("auto_confirm", 2, "--mode=auto: consecutive progress lines that must "
+                       "agree before a switch.")
 
 
 def _task_type() -> str:

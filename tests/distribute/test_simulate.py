@@ -395,3 +395,18 @@ def test_factors_are_those_step_end_sleeps():
   assert floor == pytest.approx(floor_s)
   np.testing.assert_array_equal(measured, expected)
   assert set(expected) == {1.0, 3.0}
+
+
+def test_defaults_are_those_of_the_real_modes():
+  # b2, b3, b1 and M as a real run of each mode would resolve them for N workers.
+  from tf_gba.distribute import modes as modes_lib  # pylint: disable=g-import-not-at-top
+  from tf_gba.training.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  for n in (1, 2, 3, 4, 7, 8, 13, 100, 1024):
+    cfg = SimConfig(num_workers=n)
+    assert cfg.b2 == modes_lib.num_aggregate_for("bsp", n) == TrainConfig(
+        mode="bsp", num_workers=n).num_aggregate
+    assert cfg.hop_bs_bound == TrainConfig(mode="hop_bs").hop_bs_bound
+    assert cfg.m == TrainConfig(mode="gba", num_workers=n).num_aggregate
+    if n > 1:
+      assert n - cfg.b3 == modes_lib.num_aggregate_for("hop_bw", n) == TrainConfig(
+          mode="hop_bw", num_workers=n).num_aggregate

@@ -6,7 +6,9 @@ token and buffer decisions are `tf_gba.simulate.logic`, the rules of the real op
 one event sequence through both).
 """
 
-from tf_gba.simulate.cluster import MODES, SimConfig, SimResult, simulate
+from tf_gba.simulate.cluster import (MODES, SimConfig, SimResult, free_running_rate,
+                                     predicted_qps, simulate, sync_seconds)
 from tf_gba.simulate.logic import DenseBufferLogic, TokenLogic
 
-__all__ = ["MODES", "SimConfig", "SimResult", "simulate", "DenseBufferLogic", "TokenLogic"]
+__all__ = ["MODES", "SimConfig", "SimResult", "simulate", "DenseBufferLogic", "TokenLogic",
+           "free_running_rate", "predicted_qps", "sync_seconds"]

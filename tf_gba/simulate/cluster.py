@@ -185,6 +185,34 @@ class _Durations:
     return push, end
 
 
+def sync_seconds(step_seconds) -> float:
+  """Synchronous training's time for `step_seconds` ([steps, N]: each worker's own time for each
+  step): every step lasts as long as its slowest worker (the all-reduce waits for it)."""
+  d = np.atleast_2d(np.asarray(step_seconds, np.float64))
+  return float(d.max(axis=1).sum())
+
+
+def free_running_rate(step_seconds) -> float:
+  """Worker steps per second when no worker waits for another (GBA, async, BSP): the sum of the
+  workers' own rates, each worker's rate being its steps over its time (`step_seconds` as in
+  `sync_seconds`)."""
+  d = np.atleast_2d(np.asarray(step_seconds, np.float64))
+  return float((d.shape[0] / d.sum(axis=0)).sum())
+
+
+def predicted_qps(step_seconds, local_batch_size: int) -> dict:
+  """Examples per second of Sync and of GBA for workers whose own step times are `step_seconds`
+  ([steps, N], or [N] for one step or per-worker means): the model this simulator runs
+  (`_sync` paces each step by `sync_seconds`; free-running workers add up their rates)."""
+  d = np.atleast_2d(np.asarray(step_seconds, np.float64))
+  if d.size == 0 or not np.all(d > 0):
+    raise ValueError(f"step times must be > 0 seconds, got {d.tolist()}.")
+  steps, n = d.shape
+  sync = steps * n * local_batch_size / sync_seconds(d)
+  gba = free_running_rate(d) * local_batch_size
+  return {"sync_qps": sync, "gba_qps": gba, "gain": gba / sync}
+
+
 def _order(times: np.ndarray, workers: np.ndarray) -> np.ndarray:
   """Event order: by time, simultaneous events by worker index."""
   return np.lexsort((workers, times))
@@ -308,7 +336,7 @@ def _sync(config: SimConfig, dur: _Durations) -> SimResult:
     push, end = dur(workers, np.full(n, s), start)
     tl.add(workers, np.full(n, s), start, start + push, start, token=np.full(n, s),
            end=start + end)
-    t = float((start + end).max())
+    t += sync_seconds(end)
   ev = tl.events()
   order = _order(ev.finish, ev.worker)
   result = _result("sync", config, t, order, ev)

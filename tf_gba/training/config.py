@@ -15,6 +15,8 @@ PS_MODES = mode_registry.names(mode_registry.PARAMETER_SERVER)
 # own (Adagrad, its own learning rate and local batch), not Sync's as plain "async" keeps them.
 ASYNC_TUNED = "async_tuned"
 MODES = mode_registry.names()
+# --mode=auto: starts in Sync, switches between Sync and GBA from measured step times.
+AUTO = "auto"
 MODEL_NAMES = ("deepfm", "dcn", "youtube_dnn")
 INPUTS = ("shared", "sharded")
 # Worker steps of a run that reads static shards and sets no --steps (the original default).
@@ -91,6 +93,13 @@ class TrainConfig:
   tfdata_dispatcher: str = ""
   # A day whose steps make no progress this long ends, reporting the batches not trained on.
   stall_timeout_s: float = 120.0
+  # --mode=auto (tf_gba.training.auto_policy.PolicyConfig): to GBA at a predicted gain
+  # >= 1 + margin, back to Sync below 1 + margin - hysteresis, after dwell_s seconds in a mode and
+  # confirm consecutive observations.
+  auto_margin: float = 0.3
+  auto_hysteresis: float = 0.15
+  auto_dwell_s: float = 20.0
+  auto_confirm: int = 2
 
   def __post_init__(self):
     if self.steps is None and not self.day_mode_possible:

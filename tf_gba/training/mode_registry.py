@@ -222,3 +222,11 @@ register(Mode(
     flags=frozenset({"dts_delay", "dts_period", "dts_latency_ms", "dts_inner"}),
     summary_fields=("dts_delay", "dts_period", "dts_latency_ms", "exchanges",
                     "blocked_seconds")))
+register(Mode(
+    name="auto", kind=COLLECTIVE, validate=lazy("tf_gba.training.auto_job:validate"),
+    help="starts in sync and switches between sync and gba from the measured step times "
+         "(--auto_*; tf_gba/training/auto_policy.py)",
+    run=lazy("tf_gba.training.auto_job:run"), num_aggregate=_m_global_over_local,
+    flags=_COMMON | {"auto_margin", "auto_hysteresis", "auto_dwell_s", "auto_confirm"},
+    summary_fields=("final_mode", "train_seconds", "switches", "num_switches", "stays",
+                    "timeline", "policy")))

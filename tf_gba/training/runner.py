@@ -360,6 +360,9 @@ class _Job:
             "examples": int(len(labels))}
 
 
+_NOT_EVALUATED = {"auc": float("nan"), "logloss": float("nan"), "examples": 0}
+
+
 def _dispatcher_address(config: TrainConfig, cluster) -> str:
   return cluster.tfdata_dispatcher if cluster is not None else config.tfdata_dispatcher
 
@@ -386,8 +389,13 @@ def run(config: TrainConfig) -> dict:
   return result
 
 
-def run_parameter_server(config: TrainConfig) -> dict:
-  """A parameter-server mode's run: GBAStrategy, model.fit; writes and prints the summary."""
+def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
+  """A parameter-server mode's run: GBAStrategy, model.fit; writes and prints the summary.
+
+  `callbacks`: more Keras callbacks for `fit` (called after the progress line of each interval,
+  each with `.job`, this run's `_Job`, set before training); one that sets `model.stop_training`
+  ends the run there, checkpointed and summarized as a full one (--mode=auto's stays).
+  """
   config = config.resolved()
   with _cluster(config) as (resolver, cluster):
     strategy = make_strategy(config, resolver)
@@ -458,11 +466,14 @@ def run_parameter_server(config: TrainConfig) -> dict:
       # Recorded now: a resumption that fails in turn still counts what it re-read.
       batches_reread = recovery.add_batches_reread(config.model_dir, shared.batches_reread)
     progress = _Progress(job)
-    callbacks = [progress]
+    extra_callbacks, callbacks = list(callbacks), [progress]
     periodic = None
     if config.checkpoint_every_steps or config.checkpoint_every_secs:
       periodic = PeriodicCheckpoint(job)
       callbacks.append(periodic)
+    for extra in extra_callbacks:
+      extra.job = job
+      callbacks.append(extra)
     t0 = time.time()
     history = keras.callbacks.History()
     history.history = {}
@@ -475,6 +486,8 @@ def run_parameter_server(config: TrainConfig) -> dict:
         history = job.model.fit(keras.utils.experimental.DatasetCreator(job.dataset_fn),
                                 epochs=epochs, steps_per_epoch=epoch_steps(config), verbose=0,
                                 callbacks=callbacks)
+        # Fewer when a callback stopped the run early.
+        epochs = max(1, len(history.history.get("loss", [])))
     except Exception as e:  # pylint: disable=broad-except
       _raise_if_ps_lost(e, cluster)
       raise
@@ -493,7 +506,10 @@ def run_parameter_server(config: TrainConfig) -> dict:
     stats = _optimizer_stats(job.optimizer)
     stats["hop_bs"] = strategy.hop_bs_stats()
     stats["hop_bw"] = strategy.hop_bw_stats()
-    evaluation = job.evaluate()
+    # A callback that ended the run to hand over to another job (--mode=auto) skips the
+    # evaluation: the job that continues evaluates.
+    evaluation = (_NOT_EVALUATED if any(getattr(c, "skip_evaluation", False)
+                                        for c in extra_callbacks) else job.evaluate())
     saved = job.save_checkpoint()
     recovery.report(config.model_dir, stats["global_step"], finished=True)
     if shared is not None:

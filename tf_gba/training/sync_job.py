@@ -107,8 +107,13 @@ def build_and_restore(cfg: TrainConfig, strategy, info=None):
   return model, optimizer, latest
 
 
-def run_worker(config: dict) -> dict:
+def run_worker(config: dict, auto: dict = None) -> dict:
   """Trains on this worker (one process of a MultiWorkerMirroredStrategy cluster).
+
+  With `auto` (`--mode=auto`: `tf_gba.training.auto_policy.PolicyConfig` as a dict), the workers
+  gather their step times at every progress line and stop together, checkpointing, when the
+  policy decides to switch to GBA; the chief's result then holds `auto` (the observations and the
+  decision).
 
   Every worker must run this with the same `config` (a `TrainConfig` as a dict); the cluster comes
   from TF_CONFIG. Runs `max(1, steps // workers)` global steps (one global step is one local batch
@@ -142,6 +147,15 @@ def run_worker(config: dict) -> dict:
 
   model, optimizer, restored_from = build_and_restore(cfg, strategy, info)
   checkpoint = tf.train.Checkpoint(model=model)
+  # Each worker's straggler position (step count, trace clock), in the checkpoint as the
+  # parameter-server modes keep it: a trace goes on across a switch instead of starting over.
+  position = tf.Module(name="straggler_position")
+  position.steps = tf.Variable(tf.zeros([num_workers], tf.int64), trainable=False, name="steps")
+  position.elapsed_ns = tf.Variable(tf.zeros([num_workers], tf.int64), trainable=False,
+                                    name="elapsed_ns")
+  checkpoint.straggler_position = position
+  if restored_from:
+    _restore_straggler_position(restored_from, num_workers, task)
   restored_digest = None
   if restored_from:
     restored_digest = _digest(list(model.weights) + list(optimizer.variables))
@@ -214,6 +228,39 @@ def run_worker(config: dict) -> dict:
     out = mean_over_workers(tf.constant(value, tf.float32))
     return float(strategy.experimental_local_results(out)[0].numpy())
 
+  @tf.function
+  def sum_over_workers(value):
+    def replica_fn(v):
+      return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM,
+                                                            tf.identity(v))
+    return strategy.run(replica_fn, args=(value,))
+
+  def gather(row) -> np.ndarray:
+    """[N, len(row)]: every worker's `row` (a collective, as worker_mean). Each worker fills its
+    own row of zeros, so the sum is exact and identical on every worker."""
+    rows = np.zeros([num_workers, len(row)], np.float64)
+    rows[task] = row
+    out = sum_over_workers(tf.constant(rows, tf.float64))
+    return strategy.experimental_local_results(out)[0].numpy()
+
+  def save(number: int) -> str:
+    # A collective too: every worker saves at the same steps.
+    stats = stragglers_lib._ops().gba_worker_step_stats().numpy()  # pylint: disable=protected-access
+    positions = gather([float(stats[4]), float(stats[5])]).astype(np.int64)
+    position.steps.assign(positions[:, 0])
+    position.elapsed_ns.assign(positions[:, 1])
+    return manager.save(checkpoint_number=number)
+
+  policy = None
+  if auto is not None:
+    # Imported here: the policy imports the simulator, which the plain sync mode does not need.
+    from tf_gba.training import auto_policy  # pylint: disable=g-import-not-at-top
+    policy = auto_policy.AutoPolicy(auto_policy.PolicyConfig(**auto), auto_policy.SYNC,
+                                    cfg.local_batch_size)
+  decision = None
+  timeline = []
+  own_last = None  # (steps, busy + delay seconds) of this worker at the last progress line
+
   writer = (tf.summary.create_file_writer(os.path.join(cfg.model_dir, "tensorboard"))
             if is_chief else None)
   eval_cache = {}
@@ -247,14 +294,14 @@ def run_worker(config: dict) -> dict:
   for step in range(1, total + 1):
     losses.append(strategy.experimental_local_results(train_step(iterator))[0])
     if every and step % every == 0 and step != total:
-      manager.save(checkpoint_number=int(optimizer.iterations.numpy()))
+      save(int(optimizer.iterations.numpy()))
       periodic += 1
       last_save = time.perf_counter()
     if step % cfg.log_every and step != total:
       continue
     if (cfg.checkpoint_every_secs and step != total and
         worker_mean(float(time.perf_counter() - last_save >= cfg.checkpoint_every_secs)) > 0):
-      manager.save(checkpoint_number=int(optimizer.iterations.numpy()))
+      save(int(optimizer.iterations.numpy()))
       periodic += 1
       last_save = time.perf_counter()
     local = float(np.mean([x.numpy() for x in losses]))  # waits for the interval's steps
@@ -269,6 +316,25 @@ def run_worker(config: dict) -> dict:
       warm = (now, step)
     log(f"step {step * num_workers}/{cfg.steps}  global step {start_step + step}  "
         f"loss {final_loss:.4f}  QPS {qps:,.0f}")
+    if policy is not None and step < total:
+      own = _step_stats()
+      own_now = (own["steps"], own["busy_seconds"] + own["delay_seconds"])
+      # The chief's clock for every worker: the decision must be the same everywhere.
+      rows = gather([own_now[0] - (own_last or own_now)[0], own_now[1] - (own_last or own_now)[1],
+                     now - begin])
+      if own_last is not None:  # the first interval pays for tracing: not an observation
+        trained_s = float(rows[0, 2])
+        decision = policy.observe(trained_s, rows[:, 1] / np.maximum(rows[:, 0], 1.0))
+        timeline.append({"trained_s": trained_s, "unix": time.time(), "qps": qps,
+                         "steps": step * num_workers})
+        if decision is not None:
+          decision["at_step"] = step * num_workers
+          log(f"auto: switching sync -> gba: predicted gain {decision['predicted_gain']:.2f} >= "
+              f"{decision['threshold']:.2f}; per-worker step seconds "
+              + " ".join(f"{x:.3f}" for x in decision["per_worker_step_seconds"]))
+          total = step
+          break
+      own_last = own_now
     if writer is not None:
       with writer.as_default(step=step * num_workers):
         tf.summary.scalar("train/loss", final_loss)
@@ -292,7 +358,7 @@ def run_worker(config: dict) -> dict:
   global_step = int(optimizer.iterations.numpy())
   digest = _digest(list(model.weights) + list(optimizer.variables))
 
-  saved = manager.save(checkpoint_number=global_step)
+  saved = save(global_step)
   if scratch:
     shutil.rmtree(scratch, ignore_errors=True)
 
@@ -306,8 +372,13 @@ def run_worker(config: dict) -> dict:
       "restored_from": restored_from, "restored_digest": restored_digest,
       "periodic_checkpoints": periodic,
   }
+  if policy is not None:
+    result["auto"] = {"decision": decision, "observations": policy.observations,
+                      "timeline": timeline}
   if is_chief:
-    evaluation = evaluate()
+    # A stay that hands over to GBA (--mode=auto) is not evaluated: the job that continues is.
+    evaluation = (evaluate() if decision is None else
+                  {"auc": float("nan"), "log_loss": float("nan"), "examples": 0})
     result.update(
         checkpoint=saved, eval_auc=evaluation["auc"], eval_logloss=evaluation["logloss"],
         eval_examples=evaluation["examples"],
@@ -317,6 +388,21 @@ def run_worker(config: dict) -> dict:
       tf.summary.scalar("eval/logloss", evaluation["logloss"])
     writer.flush()
   return result
+
+
+def _restore_straggler_position(path: str, num_workers: int, task: int) -> None:
+  """Puts this worker's straggler position stored in checkpoint `path` (by this mode or a
+  parameter-server mode with the same number of workers) on this worker's process."""
+  reader = tf.train.load_checkpoint(path)
+  shapes = reader.get_variable_to_shape_map()
+  keys = [f"straggler_position/{name}/.ATTRIBUTES/VARIABLE_VALUE"
+          for name in ("steps", "elapsed_ns")]
+  if not all(shapes.get(k) == [num_workers] for k in keys):
+    return  # none stored, or another number of workers: worker i is not that run's worker i
+  steps, elapsed = (reader.get_tensor(k) for k in keys)
+  # Eagerly, without a device: the op sets the counters of the process it runs in, this one.
+  stragglers_lib._ops().gba_set_step_position(  # pylint: disable=protected-access
+      tf.constant(int(steps[task]), tf.int64), tf.constant(int(elapsed[task]), tf.int64))
 
 
 def _echo_progress(path: str, stop: threading.Event) -> None:
@@ -369,14 +455,15 @@ def summarize(config: TrainConfig, results: List[dict]) -> dict:
       start_global_step=int(chief["start_global_step"]),
       final_train_loss=chief["final_train_loss"], eval_auc=chief["eval_auc"],
       eval_logloss=chief["eval_logloss"], eval_examples=chief["eval_examples"],
-      checkpoint=chief["checkpoint"])
+      checkpoint=chief["checkpoint"],
+      **({"auto": chief["auto"]} if "auto" in chief else {}))
 
 
-def run_sync(config: TrainConfig, timeout_s: float = 24 * 3600.0) -> dict:
+def run_sync(config: TrainConfig, timeout_s: float = 24 * 3600.0, auto: dict = None) -> dict:
   """Trains synchronously on `config.num_workers` local worker processes; returns the summary.
 
   Also writes the summary to `model_dir/summary.json` and prints it; the workers' logs are kept
-  in `model_dir/worker_logs`.
+  in `model_dir/worker_logs`. `auto`: see `run_worker`.
 
   Raises:
     ValueError: a bad configuration, or TF_CONFIG is set (this starts its own workers).
@@ -407,7 +494,9 @@ def run_sync(config: TrainConfig, timeout_s: float = 24 * 3600.0) -> dict:
   try:
     results = run_collective_cluster(
         "tf_gba.training.sync_job:run_worker", num_workers=config.num_workers,
-        kwargs={"config": dataclasses.asdict(config)}, timeout_s=timeout_s, log_dir=log_dir)
+        kwargs={"config": dataclasses.asdict(config),
+                **({"auto": auto} if auto is not None else {})},
+        timeout_s=timeout_s, log_dir=log_dir)
   finally:
     stop.set()
     echo.join(5.0)

@@ -1,0 +1,191 @@
+"""`--mode=auto`: synchronous training that moves to GBA while stragglers make it pay, and back.
+
+The job starts in Sync. At every progress line the workers' own step times of the last interval
+go to the switching policy (`tf_gba.training.auto_policy`), which predicts Sync's and GBA's
+throughput with the cluster simulator's model and decides. A switch ends the current job where it
+is, with its checkpoint in `model_dir`, and starts the other mode from it, exactly as a manual
+switch does (`--mode=sync` then `--mode=gba` on the same `model_dir`): the same model, optimizer,
+learning rate and global batch (GBA's M = the workers), the token count aligned with the global
+step, and every worker's straggler position (so a trace goes on where it was). The run ends when
+`--steps` worker steps have been trained over all stays.
+
+Sync measures its step times in the worker processes (they gather them with an all-reduce and
+reach the same decision together); GBA reads each worker's step counters from the coordinator.
+Both modes read their input from static shards here: the Sync workers do, and the shared data
+list's position would not carry through a Sync stay.
+
+The summary is the last stay's (its evaluation, checkpoint, staleness) with `mode` "auto",
+`steps`, `examples` and `wall_seconds` of the whole run (switches included), `switches` (each
+with the step it happened at, the modes, the predicted gain and the step times that caused it),
+`stays` and a `timeline` of (seconds, mode, QPS) for plotting.
+"""
+
+import dataclasses
+import os
+import time
+from typing import List, Optional
+
+import numpy as np
+import tf_keras as keras
+
+from tf_gba.training import auto_policy
+from tf_gba.training import summary as summary_lib
+from tf_gba.training.config import TrainConfig
+
+
+def policy_config(config: TrainConfig) -> auto_policy.PolicyConfig:
+  return auto_policy.PolicyConfig(margin=config.auto_margin, hysteresis=config.auto_hysteresis,
+                                  dwell_s=config.auto_dwell_s, confirm=config.auto_confirm)
+
+
+def validate(config: TrainConfig) -> None:
+  """Raises ValueError, naming the flag, if `config` cannot run in auto mode."""
+  policy_config(config)
+  sync_batch = config.local_batch_size * config.num_workers
+  if config.global_batch_size is not None and config.global_batch_size != sync_batch:
+    raise ValueError(
+        f"--mode=auto trains Sync's global batch, local batch x workers = {sync_batch}, in both "
+        f"modes, but --global_batch_size={config.global_batch_size}. Leave it unset.")
+  if os.environ.get("TF_CONFIG"):
+    raise ValueError("--mode=auto starts its own processes on this machine (its Sync stays run "
+                     "the local all-reduce workers); unset TF_CONFIG.")
+
+
+class AutoWatch(keras.callbacks.Callback):
+  """A GBA stay's observer: at each progress line, every worker's own step time over the interval
+  from its counters, to the policy; stops `fit` (the runner then checkpoints) on a switch."""
+
+  def __init__(self, policy: auto_policy.AutoPolicy, log=print):
+    super().__init__()
+    self.policy = policy
+    self.job = None  # set by the runner
+    self.decision: Optional[dict] = None
+    self.skip_evaluation = False  # read by the runner: a stay that hands over is not evaluated
+    self.timeline: List[dict] = []
+    self._log = log
+    self._last = None
+    self._t0 = None
+
+  def on_train_begin(self, logs=None):
+    self._t0 = time.time()
+
+  def on_epoch_end(self, epoch, logs=None):
+    now = time.time()
+    workers = self.job.strategy.worker_step_stats()
+    steps = np.array([w["steps"] for w in workers], np.float64)
+    own = np.array([w["busy_seconds"] + w["delay_seconds"] for w in workers], np.float64)
+    last, self._last = self._last, (now, steps, own)
+    if last is None:
+      return  # the first interval pays for tracing and start-up: not an observation
+    dt = max(now - last[0], 1e-9)
+    d_steps, d_own = steps - last[1], own - last[2]
+    # A worker that finished no step in the interval has been in one for at least its length.
+    times = np.where(d_steps > 0, d_own / np.maximum(d_steps, 1.0), dt)
+    trained_s = now - self._t0
+    decision = self.policy.observe(trained_s, times)
+    qps = float(d_steps.sum()) * self.policy.local_batch_size / dt
+    self.timeline.append({"trained_s": trained_s, "unix": now, "qps": qps,
+                          "steps": int(steps.sum())})
+    if decision is not None:
+      decision["at_step"] = int(steps.sum())
+      self.decision = decision
+      self.skip_evaluation = True
+      self._log(f"auto: switching gba -> sync: predicted gain {decision['predicted_gain']:.2f} < "
+                f"{decision['threshold']:.2f}; per-worker step seconds "
+                + " ".join(f"{x:.3f}" for x in decision["per_worker_step_seconds"]))
+      self.model.stop_training = True
+
+
+def run(config: TrainConfig) -> dict:
+  """Trains `config.steps` worker steps in Sync and GBA as the policy decides; the summary."""
+  # Imported here: the runner imports this module to dispatch --mode=auto.
+  from tf_gba.training import preflight  # pylint: disable=g-import-not-at-top
+  from tf_gba.training import runner  # pylint: disable=g-import-not-at-top
+  from tf_gba.training import sync_job  # pylint: disable=g-import-not-at-top
+
+  validate(config)
+  policy_cfg = policy_config(config)
+  base = dataclasses.replace(config, input="sharded", global_batch_size=None)
+  print(f"tf_gba: mode=auto: starts in sync; to gba at a predicted gain >= "
+        f"{policy_cfg.enter_gba:.2f}, back below {policy_cfg.leave_gba:.2f}, after "
+        f"{policy_cfg.dwell_s:g} s in a mode and {policy_cfg.confirm} agreeing observation(s); "
+        "input: static shards", flush=True)
+  t_start = time.time()
+  remaining = config.steps
+  mode = auto_policy.SYNC
+  done_steps = 0
+  stays, switches, timeline = [], [], []
+  summary = None
+  while remaining > 0:
+    stay = dataclasses.replace(base, mode=mode, steps=remaining)
+    if mode == auto_policy.SYNC:
+      # Sync's progress lines come every log_every global steps (N worker steps each): observe
+      # both modes over about the same number of worker steps.
+      stay = dataclasses.replace(stay, log_every=max(1, config.log_every // config.num_workers))
+    stay_t0 = time.time()
+    if mode == auto_policy.SYNC:
+      preflight.write_metadata(stay)
+      summary = sync_job.run_sync(stay, auto=dataclasses.asdict(policy_cfg))
+      info = summary.get("auto") or {}
+      decision, points = info.get("decision"), info.get("timeline", [])
+    else:
+      watch = AutoWatch(auto_policy.AutoPolicy(policy_cfg, mode, config.local_batch_size))
+      summary = runner.run_parameter_server(stay, callbacks=[watch])
+      decision, points = watch.decision, watch.timeline
+    trained = int(summary["steps"])
+    stays.append({"mode": mode, "start_step": done_steps, "steps": trained,
+                  "start_seconds": stay_t0 - t_start, "seconds": time.time() - stay_t0,
+                  "train_seconds": summary["wall_seconds"], "global_qps": summary["global_qps"],
+                  "start_global_step": summary["start_global_step"],
+                  "global_step": summary["global_step"]})
+    timeline += [{"seconds": p["unix"] - t_start, "mode": mode, "qps": p["qps"],
+                  "step": done_steps + p["steps"]} for p in points]
+    if decision is not None:
+      switches.append({
+          "at_step": done_steps + decision["at_step"],
+          # When the policy decided (its last observation), and when the next mode took over.
+          "decided_at_seconds": points[-1]["unix"] - t_start if points else None,
+          "at_seconds": time.time() - t_start,
+          "from": decision["from"], "to": decision["to"],
+          "predicted_gain": decision["predicted_gain"], "threshold": decision["threshold"],
+          "predicted_sync_qps": decision["predicted_sync_qps"],
+          "predicted_gba_qps": decision["predicted_gba_qps"],
+          "per_worker_step_seconds": decision["per_worker_step_seconds"],
+          "trained_s_in_mode": decision["trained_s"]})
+      mode = decision["to"]
+    done_steps += trained
+    remaining -= trained
+    if trained <= 0:
+      break  # nothing more can be trained (not expected): do not loop
+  wall = time.time() - t_start
+  out = dict(summary)
+  out.pop("auto", None)
+  out.update({
+      "mode": "auto", "final_mode": mode,
+      "steps": done_steps, "examples": done_steps * config.local_batch_size,
+      "wall_seconds": wall,
+      "train_seconds": sum(s["train_seconds"] for s in stays),
+      "global_qps": done_steps * config.local_batch_size / max(wall, 1e-9),
+      "switches": switches, "num_switches": len(switches), "stays": stays,
+      "timeline": timeline, "stragglers": config.stragglers,
+      "policy": dataclasses.asdict(policy_cfg)})
+  summary_lib.write(config.model_dir, out)
+  print_auto(out)
+  return out
+
+
+def print_auto(s: dict) -> None:
+  lines = ["=" * 72,
+           f"auto: {s['steps']} worker steps in {s['wall_seconds']:.1f} s (switches included; "
+           f"{s['train_seconds']:.1f} s training), {s['global_qps']:,.0f} examples/s, "
+           f"{s['num_switches']} switch(es), final AUC {s['eval_auc']:.4f}"]
+  for st in s["stays"]:
+    lines.append(f"  {st['mode']:<5} from step {st['start_step']:>7}: {st['steps']} steps, "
+                 f"{st['seconds']:.1f} s ({st['train_seconds']:.1f} s training, QPS "
+                 f"{st['global_qps']:,.0f})")
+  for sw in s["switches"]:
+    lines.append(f"  switch at step {sw['at_step']}: {sw['from']} -> {sw['to']}, predicted gain "
+                 f"{sw['predicted_gain']:.2f} (threshold {sw['threshold']:.2f}), step seconds "
+                 + " ".join(f"{x:.3f}" for x in sw["per_worker_step_seconds"]))
+  lines.append("=" * 72)
+  print("\n".join(lines), flush=True)
