@@ -378,7 +378,7 @@ def run_worker(config: dict, auto: dict = None) -> dict:
   if is_chief:
     # A stay that hands over to GBA (--mode=auto) is not evaluated: the job that continues is.
     evaluation = (evaluate() if decision is None else
-                  {"auc": float("nan"), "log_loss": float("nan"), "examples": 0})
+                  {"auc": float("nan"), "logloss": float("nan"), "examples": 0})
     result.update(
         checkpoint=saved, eval_auc=evaluation["auc"], eval_logloss=evaluation["logloss"],
         eval_examples=evaluation["examples"],
