@@ -35,7 +35,9 @@ def define_flags() -> None:
   if "mode" in FLAGS:
     return
   flags.DEFINE_enum("mode", "gba", ["gba", "async", "bsp", "hop_bs", "hop_bw", "sync", "dts",
-                                    "async_tuned"],
+                                    "async_tuned",
+                                    # shadow modes (README: ShadowSync, ASGD without delay)
+                                    "shadow_easgd", "shadow_ma", "shadow_bmuf", "asgd_nodelay"],
                     "Parameter-server modes: gba, async, bsp, hop_bs, hop_bw; all-reduce "
                     "modes: sync (synchronous workers) and dts (delayed and temporally sparse "
                     "all-reduce). The same model, data and hyper-parameters in every mode, "
@@ -130,6 +132,17 @@ def define_flags() -> None:
                     "Local runs: put the job (coordinator and servers) in a network namespace of "
                     "its own, so that other hosts cannot reach its unauthenticated TF servers "
                     "(README: Security). Turn off to read data over the network (gs://, ...).")
+  # --- shadow modes (tf_gba.training.shadow_job) ---
+  flags.DEFINE_float("shadow_alpha", 0.5, "shadow_*: elastic alpha of the replicas' pull.")
+  flags.DEFINE_float("shadow_bmuf_eta", 1.0, "shadow_bmuf: block step size eta.")
+  flags.DEFINE_float("shadow_bmuf_momentum", 0.0, "shadow_bmuf: block momentum (0: none).")
+  flags.DEFINE_bool("shadow_bmuf_nesterov", False, "shadow_bmuf: Nesterov block momentum.")
+  flags.DEFINE_integer("asgd_tau", 4, "asgd_nodelay: maximal staleness tau (local steps).")
+  flags.DEFINE_enum("asgd_algorithm", "1", ["1", "2"],
+                    "asgd_nodelay: Algorithm 1, or 2 (cycles of tau / 2 steps).")
+  flags.DEFINE_float("shadow_sync_delay_ms", 0.0,
+                     "shadow_*/asgd_nodelay: delay injected into every sync or merge.")
+  # --- end shadow modes ---
   flags.DEFINE_bool("keep_logs", False,
                     "Keep the log files of this process and of the local cluster's servers (in "
                     "<model_dir>/logs); by default they go to a temporary directory deleted at "
@@ -172,6 +185,14 @@ def main(argv=None):
       checkpoint_every_secs=FLAGS.checkpoint_every_secs, keep_checkpoints=FLAGS.keep_checkpoints,
       input=FLAGS.input, tfdata_workers=FLAGS.tfdata_workers,
       tfdata_dispatcher=FLAGS.tfdata_dispatcher, stall_timeout_s=FLAGS.stall_timeout_s)
+  # --- shadow modes ---
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  config = dataclasses.replace(
+      config, shadow_alpha=FLAGS.shadow_alpha, shadow_bmuf_eta=FLAGS.shadow_bmuf_eta,
+      shadow_bmuf_momentum=FLAGS.shadow_bmuf_momentum,
+      shadow_bmuf_nesterov=FLAGS.shadow_bmuf_nesterov, asgd_tau=FLAGS.asgd_tau,
+      asgd_algorithm=int(FLAGS.asgd_algorithm), shadow_sync_delay_ms=FLAGS.shadow_sync_delay_ms)
+  # --- end shadow modes ---
   return run(config)
 
 

@@ -13,6 +13,10 @@ PS_MODES = modes_lib.MODES
 # own (Adagrad, its own learning rate and local batch), not Sync's as plain "async" keeps them.
 ASYNC_TUNED = "async_tuned"
 MODES = PS_MODES + ("sync", "dts", ASYNC_TUNED)
+# --- shadow modes (tf_gba.training.shadow_job): dense replicas per worker ----------------------
+SHADOW_MODES = ("shadow_easgd", "shadow_ma", "shadow_bmuf", "asgd_nodelay")
+MODES = MODES + SHADOW_MODES
+# --- end shadow modes ---
 MODEL_NAMES = ("deepfm", "dcn", "youtube_dnn")
 INPUTS = ("shared", "sharded")
 # Worker steps of a run that reads static shards and sets no --steps (the original default).
@@ -89,6 +93,18 @@ class TrainConfig:
   tfdata_dispatcher: str = ""
   # A day whose steps make no progress this long ends, reporting the batches not trained on.
   stall_timeout_s: float = 120.0
+  # --- shadow modes (tf_gba.training.shadow_job) ---
+  # ShadowSync's elastic alpha (every rule); S-BMUF's step size eta, block momentum and Nesterov;
+  # ASGD without gradient delay's maximal staleness tau and algorithm (1, or 2: cycles of tau/2);
+  # a delay injected into every sync or merge (tests and benchmarks of background syncing).
+  shadow_alpha: float = 0.5
+  shadow_bmuf_eta: float = 1.0
+  shadow_bmuf_momentum: float = 0.0
+  shadow_bmuf_nesterov: bool = False
+  asgd_tau: int = 4
+  asgd_algorithm: int = 1
+  shadow_sync_delay_ms: float = 0.0
+  # --- end shadow modes ---
 
   def __post_init__(self):
     if self.steps is None and not self.day_mode_possible:
@@ -189,6 +205,9 @@ class TrainConfig:
             f"--global_batch_size={self.global_batch_size} is not a multiple of "
             f"--local_batch_size={self.local_batch_size}: GBA aggregates a whole number "
             "M = global / local of local batches per step. Pick sizes that divide.")
+    if self.mode in SHADOW_MODES:  # shadow modes
+      from tf_gba.training import shadow_job  # pylint: disable=g-import-not-at-top
+      shadow_job.validate(self)
     modes_lib.check_parameters(self.mode, self.num_workers, self.bsp_aggregate, self.hop_bs_bound,
                                self.hop_bs_timeout_s, self.hop_bw_backup, prefix="--")
     stragglers_lib.parse(self.stragglers)  # raises with a message on a bad profile
@@ -216,7 +235,7 @@ class TrainConfig:
   @property
   def num_aggregate(self) -> int:
     """M: local batches per global step (1 in async mode, where every push is a step)."""
-    if self.mode in ("async", "dts", ASYNC_TUNED):
+    if self.mode in ("async", "dts", ASYNC_TUNED) + SHADOW_MODES:
       return 1
     if self.mode in ("gba", "sync"):
       return (self.global_batch_size or self.local_batch_size * self.num_workers

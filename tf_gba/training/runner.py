@@ -390,6 +390,9 @@ def run(config: TrainConfig) -> dict:
   if config.mode == "dts":
     preflight.write_metadata(config)
     return _add_data_report(config, _run_dts(config), data_report)
+  if config.mode in config_lib.SHADOW_MODES:  # shadow modes: dense replicas per worker
+    from tf_gba.training import shadow_job  # pylint: disable=g-import-not-at-top
+    return shadow_job.run(config)
   if config.mode == "sync":
     from tf_gba.training import sync_job  # pylint: disable=g-import-not-at-top
     preflight.write_metadata(config)
