@@ -89,6 +89,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL_MODES = ("sync", "gba", "async", "bsp", "hop_bs", "hop_bw")
 # Accepted in --modes besides ALL_MODES (not run by default): the paper's separately tuned Async.
 EXTRA_MODES = ("async_tuned",)
+# --- shadow modes (tf_gba.training.shadow_job): static shards, steps_per_day worker steps ---
+SHADOW_MODES = ("shadow_easgd", "shadow_ma", "shadow_bmuf", "asgd_nodelay")
+EXTRA_MODES = EXTRA_MODES + SHADOW_MODES
+# --- end shadow modes ---
 # Each baseline's own parameter (a TrainConfig field), swept by --sweep.
 SWEPT = {"hop_bs": "hop_bs_bound", "bsp": "bsp_aggregate", "hop_bw": "hop_bw_backup"}
 # Sources whose examples carry a day (a `num_days` option); the others have one day.
@@ -252,7 +256,8 @@ def run_config(args: argparse.Namespace, protocol: Protocol, mode: str, seed: in
     steps = INTERVALS * math.ceil(steps * args.local_batch_size / (local_batch * INTERVALS))
   # Logging intervals: worker steps in the parameter-server modes, global steps in sync.
   log_every = steps // INTERVALS // (num_workers if mode == "sync" else 1)
-  if mode != "sync" and args.input == "shared" and not args.steps_per_day:
+  if (mode != "sync" and mode not in SHADOW_MODES and args.input == "shared"
+      and not args.steps_per_day):
     steps = None  # one pass over the day through the shared data list, however long it takes
   return dict(
       input=args.input,

@@ -137,5 +137,6 @@ def test_switching_sync_layout_to_shadow_and_back(tmp_path):
   for a, b in zip(back_dense, final_dense):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   # The dense Adam slots restored are the replicas' average, not the donor's constants.
-  slot = opt.get_slot(back.trainable_variables[-1], "m").numpy()
+  var = back.trainable_variables[-1]
+  slot = opt._momentums[opt._index_dict[opt._var_key(var)]].numpy()  # pylint: disable=protected-access
   assert not np.allclose(slot, 1e-3)

@@ -113,20 +113,24 @@ class ReplicatedModel:
       self.replica_dense.append(dense)
     # The job's optimizer: the checkpoint's (model -> optimizer), and the one that updates the
     # embeddings on the PS (its slots are colocated with them).
-    self.optimizer = keras.optimizers.Adam(cfg.learning_rate)
-    self.master.compile(self.optimizer, loss=keras.losses.BinaryCrossentropy())
-    self.optimizer.build(self.master.trainable_variables)
+    # Its own variables (step, learning rate) on parameter server 0, where the embedding updates
+    # run; slots go with their variables. No XLA: the updates run on remote CPU devices.
+    with tf.device(rt.ps_device(0)):
+      self.optimizer = keras.optimizers.Adam(cfg.learning_rate, jit_compile=False)
+      self.master.compile(self.optimizer, loss=keras.losses.BinaryCrossentropy())
+      self.optimizer.build(self.master.trainable_variables)
     self.local_optimizers = []
     for i in range(num_workers):
       with tf.device(rt.worker_device(i)):
-        opt = keras.optimizers.Adam(cfg.learning_rate)
+        opt = keras.optimizers.Adam(cfg.learning_rate, jit_compile=False)
         opt.build(self.replica_dense[i])
       self.local_optimizers.append(opt)
 
   # Adam's slots of a variable, in a fixed order (m, v).
   @staticmethod
   def _slots(opt, var) -> List[tf.Variable]:
-    return [opt.get_slot(var, name) for name in ("m", "v")]
+    k = opt._index_dict[opt._var_key(var)]  # pylint: disable=protected-access
+    return [opt._momentums[k], opt._velocities[k]]  # pylint: disable=protected-access
 
   def broadcast(self) -> None:
     """Every replica (and its Adam) starts from the checkpoint model's dense part."""
@@ -310,7 +314,8 @@ class _AsgdCoordination:
           finally:
             self.cond.acquire()
           self.received[i] = version
-          self.log.record(i, self.merge_started[i], self.counters[i])
+          if version > 1:  # a merged model (version 1 is the initial one)
+            self.log.record(i, self.merge_started[i], self.counters[i])
         if self.handed[i] < self.request:
           self.cond.release()
           try:
@@ -559,8 +564,15 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
       "steps": budget.taken, "examples": budget.taken * cfg.local_batch_size,
       "wall_seconds": wall, "global_qps": measured * cfg.local_batch_size / max(wall, 1e-9),
       "per_worker": [{"worker": w["worker"], "steps": counters[w["worker"]],
+                      "qps": counters[w["worker"]] * cfg.local_batch_size / max(wall, 1e-9),
                       "injected_delay_seconds": round(w["delay_seconds"], 3)}
                      for w in worker_stats],
+      # The other modes' buffer counters, for the benchmarks' tables: every step applies its
+      # embedding gradient at once and nothing is dropped. Dense staleness: asgd_nodelay's
+      # per-step staleness (local steps past the last PS model); 0 for ShadowSync, whose dense
+      # replicas are trained locally (how far apart they drift is in "sync").
+      "pushes": budget.taken, "dropped_batches": 0, "blocked_seconds": 0.0,
+      "mean_staleness": 0.0, "max_staleness": 0, "staleness_histogram": [],
       "global_step": int(rm.optimizer.iterations.numpy()), "start_global_step": start_step,
       "restored_from": restored_from, "final_train_loss": final_loss,
       "eval_auc": evaluation["auc"], "eval_logloss": evaluation["log_loss"],
@@ -573,6 +585,11 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
     summary["shadow_alpha"] = cfg.shadow_alpha
   if coordination is not None:
     summary["asgd"] = coordination.summary()
+    hist = np.sum(summary["asgd"]["staleness_histogram_per_worker"], axis=0)
+    summary.update(mean_staleness=summary["asgd"]["mean_step_staleness"],
+                   max_staleness=summary["asgd"]["max_step_staleness"],
+                   staleness_histogram=[int(x) for x in np.trim_zeros(hist, "b")],
+                   blocked_seconds=float(sum(summary["asgd"]["blocked_seconds_per_worker"])))
   return (summary, rm) if return_model else summary
 
 
