@@ -176,10 +176,10 @@ def test_algorithm2_cycles(tau):
   workers = [asgd_nodelay.Alg2Worker([tf.Variable(np.zeros(s, np.float32)) for s in SHAPES],
                                      tau, name=f"a2w{w}") for w in range(n)]
   beta = tau // 2
-  model = [tf.identity(p) for p in master.ps_x]
   for j in range(cycles):
-    deltas = [wk.boundary(model) for wk in workers]
-    model = master.merge(deltas)
+    # master.ps_x holds the model of the previous boundary's merge (the initial one at j = 0).
+    deltas = [wk.boundary(master.ps_x) for wk in workers]
+    master.merge(deltas)
     for wk in workers:
       for _ in range(beta):
         assert wk.staleness <= tau

@@ -60,6 +60,9 @@ class AsgdWorker:
     self.tau = check_tau(tau)
     self.x = list(x)
     self.x_init = [_like(v, f"{name}_x_init_{k}") for k, v in enumerate(self.x)]
+    # The update handed in, kept in variables beside x: the master reads them from its own
+    # function (no tensor handle passes from one remote call to another).
+    self.delta = [_like(v, f"{name}_delta_{k}") for k, v in enumerate(self.x)]
     self.i = 0
     self.i_init = 0
     self.staleness = self.tau
@@ -86,28 +89,29 @@ class AsgdWorker:
     self.staleness += 1
 
   def _take_fn(self):
-    deltas = []
-    for x, x0 in zip(self.x, self.x_init):
+    for x, x0, d in zip(self.x, self.x_init, self.delta):
       value = x.read_value()
-      deltas.append(value - x0.read_value())
+      d.assign(value - x0.read_value())
       x0.assign(value)
-    return deltas
 
-  def take_update(self) -> List[tf.Tensor]:
-    """Hands in delta = x - x_init and restarts the update from here (Algorithm 1 lines 21-23)."""
-    deltas = self._take()
+  def take_update(self) -> List[tf.Variable]:
+    """Hands in delta = x - x_init and restarts the update from here (Algorithm 1 lines 21-23).
+
+    Returns the variables holding the update (valid until the next hand-in)."""
+    self._take()
     self.i_init = self.i
-    return deltas
+    return self.delta
 
   def _receive_fn(self, ps_x):
     for x, x0, p in zip(self.x, self.x_init, ps_x):
+      p = tf.convert_to_tensor(p)
       # x = PS.x + (x - x_init), as an increment: nothing of x is lost if it moved meanwhile.
       x.assign_add(p - x0.read_value())
       x0.assign(p)
 
   def receive(self, ps_x: Sequence) -> None:
-    """Rebases onto a new PS model (Algorithm 1 lines 8-11)."""
-    self._receive([tf.convert_to_tensor(p) for p in ps_x])
+    """Rebases onto a new PS model (Algorithm 1 lines 8-11); `ps_x`: variables or tensors."""
+    self._receive(list(ps_x))
     self.staleness = self.i - self.i_init
     self.received += 1
 
@@ -122,18 +126,15 @@ class AsgdMaster:
 
   def _merge_fn(self, deltas):
     n = float(len(deltas))
-    out = []
     for k, p in enumerate(self.ps_x):
-      out.append(p.assign_add(tf.add_n([d[k] for d in deltas]) / n))
-    return out
+      p.assign_add(tf.add_n([tf.convert_to_tensor(d[k]) for d in deltas]) / n)
 
-  def merge(self, deltas: Sequence[Sequence]) -> List[tf.Tensor]:
-    """PS.x += mean of the workers' updates; returns the new PS model."""
+  def merge(self, deltas: Sequence[Sequence]) -> None:
+    """PS.x += mean of the workers' updates (lists of variables or tensors, one per worker)."""
     if not deltas:
       raise ValueError("a merge needs the updates of at least one worker.")
-    out = self._merge([[tf.convert_to_tensor(d) for d in ds] for ds in deltas])
+    self._merge([list(ds) for ds in deltas])
     self.version += 1
-    return out
 
 
 class Alg2Worker:
@@ -149,6 +150,7 @@ class Alg2Worker:
     self.beta = self.tau // 2
     self.x = list(x)
     self.x_init = [_like(v, f"{name}_x_init_{k}") for k, v in enumerate(self.x)]
+    self.delta = [_like(v, f"{name}_delta_{k}") for k, v in enumerate(self.x)]
     self.i = 0
     self.cycle = -1  # boundaries passed - 1
     self._boundary = tf.function(self._boundary_fn)
@@ -164,20 +166,21 @@ class Alg2Worker:
     return into + (self.beta if self.cycle >= 1 else 0)
 
   def _boundary_fn(self, ps_x):
-    deltas = []
-    for x, x0, p in zip(self.x, self.x_init, ps_x):
+    for x, x0, dv, p in zip(self.x, self.x_init, self.delta, ps_x):
+      p = tf.convert_to_tensor(p)
       value = x.read_value()
       d = value - x0.read_value()
-      deltas.append(d)
+      dv.assign(d)
       x.assign_add(p + d - value)  # x = PS.x + delta, keeping anything that moved x meanwhile
       x0.assign(p + d)
-    return deltas
 
-  def boundary(self, ps_x: Sequence) -> List[tf.Tensor]:
+  def boundary(self, ps_x: Sequence) -> List[tf.Variable]:
+    """Returns the variables holding the update handed in (valid until the next boundary)."""
     if not self.at_boundary:
       raise RuntimeError(f"step {self.i} is not a cycle boundary (beta={self.beta}).")
     self.cycle = self.i // self.beta
-    return self._boundary([tf.convert_to_tensor(p) for p in ps_x])
+    self._boundary(list(ps_x))
+    return self.delta
 
   def note_step(self) -> None:
     if self.at_boundary:

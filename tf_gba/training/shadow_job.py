@@ -203,33 +203,54 @@ class _Sleep:
       self.stop.wait(self.s)
 
 
+def _snapshots(rm: ReplicatedModel) -> List[List[tf.Variable]]:
+  """Per worker, variables beside its replica that hold what the synchroniser read."""
+  out = []
+  for i, dense in enumerate(rm.replica_dense):
+    with tf.device(rt.worker_device(i)):
+      out.append([tf.Variable(tf.zeros_like(v), trainable=False, name=f"shadow_snapshot_{k}")
+                  for k, v in enumerate(dense)])
+  return out
+
+
 def _shadow_syncers(config, rm: ReplicatedModel, counters, log: rt.SyncLog,
                     stop: threading.Event):
-  """The background sync loop bodies of a ShadowSync mode."""
+  """The background sync loop bodies of a ShadowSync mode.
+
+  A sync is two function calls: one reads the replica(s) into snapshot variables, the other
+  does the rest in one multi-device function (the PS side, then the workers' pulls, in program
+  order). Values pass through variables, never as tensor handles from one remote call to the
+  next. The injected delay (tests, benchmarks) sits between the two, holding the sync in flight.
+  """
   alpha, n = config.shadow_alpha, rm.num_workers
   sleep = _Sleep(config.shadow_sync_delay_ms, stop)
-  ps0 = rt.ps_device(0)
+  snaps = _snapshots(rm)
+
+  def reader(workers):
+    @tf.function
+    def read():
+      for i in workers:
+        for s, w in zip(snaps[i], rm.replica_dense[i]):
+          s.assign(w.read_value())
+    return read
 
   if config.mode == "shadow_easgd":
     def make(i):
-      @tf.function
-      def exchange_ps(snapshot):
-        return shadow_sync.apply_easgd_ps(rm.dense, snapshot, alpha)
+      read = reader([i])
 
       @tf.function
-      def pull(target, snapshot):
-        shadow_sync.pull(rm.replica_dense[i], target, snapshot, alpha)
+      def exchange():
+        with tf.device(rt.ps_device(0)):
+          new_ps = shadow_sync.apply_easgd_ps(rm.dense, snaps[i], alpha)
+        with tf.device(rt.worker_device(i)):
+          shadow_sync.pull(rm.replica_dense[i], new_ps, snaps[i], alpha)
 
       def body():
         t0, s0 = time.perf_counter(), counters[i]
         with tf.device(rt.worker_device(i)):
-          snapshot = shadow_sync.read(rm.replica_dense[i])
+          read()
         sleep()
-        with tf.device(ps0):
-          new_ps = exchange_ps(snapshot)
-        with tf.device(rt.worker_device(i)):
-          pull(new_ps, snapshot)
-          # The pull has run when its variables are read back (the call returns after it).
+        exchange()
         log.record(i, s0, counters[i])
         log.record_seconds(time.perf_counter() - t0)
       return body
@@ -237,38 +258,31 @@ def _shadow_syncers(config, rm: ReplicatedModel, counters, log: rt.SyncLog,
 
   bmuf = config.mode == "shadow_bmuf"
   if bmuf:
-    with tf.device(ps0):
+    with tf.device(rt.ps_device(0)):
       momentum = [tf.Variable(tf.zeros_like(v), trainable=False, name=f"bmuf_momentum_{k}")
                   for k, v in enumerate(rm.dense)]
-  pulls = []
-  for i in range(n):
-    @tf.function
-    def pull(target, snapshot, i=i):
-      shadow_sync.pull(rm.replica_dense[i], target, snapshot, alpha)
-    pulls.append(pull)
+  read_all = reader(range(n))
 
   @tf.function
-  def average(snapshots):
-    w_c = shadow_sync.mean_values(snapshots)
-    if bmuf:
-      return shadow_sync.apply_bmuf_global(rm.dense, momentum, w_c, config.shadow_bmuf_eta,
-                                           config.shadow_bmuf_momentum,
-                                           config.shadow_bmuf_nesterov)
-    return [tf.identity(x) for x in w_c]
+  def average_and_pull():
+    with tf.device(rt.ps_device(0)):
+      w_c = shadow_sync.mean_values(snaps)
+      if bmuf:
+        target = shadow_sync.apply_bmuf_global(
+            rm.dense, momentum, w_c, config.shadow_bmuf_eta, config.shadow_bmuf_momentum,
+            config.shadow_bmuf_nesterov)
+      else:
+        target = w_c
+    for i in range(n):
+      with tf.device(rt.worker_device(i)):
+        shadow_sync.pull(rm.replica_dense[i], target, snaps[i], alpha)
 
   def round_body():
     t0 = time.perf_counter()
     starts = [counters[i] for i in range(n)]
-    snapshots = []
-    for i in range(n):
-      with tf.device(rt.worker_device(i)):
-        snapshots.append(shadow_sync.read(rm.replica_dense[i]))
+    read_all()
     sleep()
-    with tf.device(ps0):
-      target = average(snapshots)
-    for i in range(n):
-      with tf.device(rt.worker_device(i)):
-        pulls[i](target, snapshots[i])
+    average_and_pull()
     for i in range(n):
       log.record(i, starts[i], counters[i])
     log.record_seconds(time.perf_counter() - t0)
