@@ -38,29 +38,39 @@ def config(tmp_path, mode, **kw):
   return cfg
 
 
+class Replicas:
+  """The dense variables of every replica and of the checkpoint model, read before the cluster
+  goes away."""
+
+  def __init__(self, rm):
+    self.replicas = [[v.numpy() for v in dense] for dense in rm.replica_dense]
+    self.master = [v.numpy() for v in rm.dense]
+    self.before_final = rm.before_final
+
+
 def train(cfg, **kw):
   with LocalCluster(num_ps=cfg.num_ps, num_workers=cfg.num_workers) as cluster:
-    return shadow_job.train(cfg, cluster.resolver(), cfg.num_workers, cfg.num_ps,
-                            timeout_s=600, return_model=True, **kw)
-
-
-def replica_arrays(rm):
-  return [[v.numpy() for v in dense] for dense in rm.replica_dense]
+    summary, rm = shadow_job.train(cfg, cluster.resolver(), cfg.num_workers, cfg.num_ps,
+                                   timeout_s=600, return_model=True, **kw)
+    return summary, Replicas(rm)
 
 
 @pytest.mark.parametrize("mode", ["shadow_easgd", "shadow_ma", "shadow_bmuf", "asgd_nodelay"])
 def test_replicas_agree_after_final_sync(tmp_path, mode):
   cfg = config(tmp_path, mode, steps=80, asgd_tau=4)
-  summary, rm = train(cfg)
-  reps = replica_arrays(rm)
+  summary, reps = train(cfg)
   # They did drift apart while training (local steps on different shards)...
   assert summary["replica_spread_before_final_sync"] > 0
   # ...and after the final sync all hold the average, which is the checkpoint model's dense part.
-  master = [v.numpy() for v in rm.dense]
-  for i, r in enumerate(reps):
+  master = reps.master
+  for i, r in enumerate(reps.replicas):
     for k, (a, b) in enumerate(zip(r, master)):
       np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7,
                                  err_msg=f"{mode}: replica {i} variable {k}")
+  # The average of the replicas as they were when training stopped, computed here.
+  for k, b in enumerate(master):
+    mean = np.mean([r[k] for r in reps.before_final], axis=0)
+    np.testing.assert_allclose(b, mean, rtol=1e-5, atol=1e-6, err_msg=f"{mode}: variable {k}")
   reader = tf.train.load_checkpoint(summary["checkpoint"])
   names = {name for name in reader.get_variable_to_shape_map()
            if name.startswith("model/") and "optimizer" not in name}
@@ -129,7 +139,7 @@ def test_switching_sync_layout_to_shadow_and_back(tmp_path):
   opt.build(back.trainable_variables)
   resharding.restore_training_state(summary["checkpoint"], back, opt)
   assert int(opt.iterations.numpy()) == summary["global_step"]
-  final_dense = [v.numpy() for v in rm.replica_dense[0]]
+  final_dense = rm.replicas[0]
   shared = {id(w) for layer in back.layers if isinstance(layer, models_lib.FieldEmbedding)
             for w in layer.weights}
   back_dense = [v.numpy() for v in back.trainable_variables if id(v) not in shared]

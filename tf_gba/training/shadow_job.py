@@ -311,6 +311,7 @@ class _AsgdCoordination:
     self.blocked_seconds = [0.0] * n
     self.sleep = _Sleep(config.shadow_sync_delay_ms, stop)
     self.merge_started = [0] * n
+    self.merged = 0              # hand-in rounds merged
     self.budget_spent = lambda: False  # set by train(): a worker waiting at the end stops
 
   def before_step(self, i: int) -> bool:
@@ -374,6 +375,7 @@ class _AsgdCoordination:
           return
         self.cond.wait(0.5)
       deltas = list(self.deltas)
+      request = self.request
     t0 = time.perf_counter()
     self.sleep()
     with tf.device(rt.ps_device(0)):
@@ -381,21 +383,36 @@ class _AsgdCoordination:
     self.log.record_seconds(time.perf_counter() - t0)
     with self.cond:
       self.version += 1
+      self.merged = request
       self.cond.notify_all()
 
-  def finish(self) -> None:
-    """After training: every worker gets the last model and hands in, one last merge; every
-    replica then holds the PS model, which is the average of the replicas."""
+  def _rebase_all(self) -> None:
     for i, w in enumerate(self.workers):
-      with tf.device(rt.worker_device(i)):
-        if self.received[i] < self.version:
+      if self.received[i] < self.version:
+        with tf.device(rt.worker_device(i)):
           w.receive(self.master.ps_x)
-        self.deltas[i] = w.take_update()
-    with tf.device(rt.ps_device(0)):
-      self.master.merge(self.deltas)
+        self.received[i] = self.version
+
+  def _round(self) -> None:
     for i, w in enumerate(self.workers):
-      with tf.device(rt.worker_device(i)):
-        w.receive(self.master.ps_x)
+      if self.handed[i] < self.request:
+        with tf.device(rt.worker_device(i)):
+          self.deltas[i] = w.take_update()
+        self.handed[i] = self.request
+    self.master.merge(self.deltas)
+    self.version += 1
+    self.merged = self.request
+
+  def finish(self) -> None:
+    """After training (threads joined): a round the master had requested but not merged is
+    completed; then every worker rebases onto the newest model and hands in the rest, one last
+    merge, and every replica takes the result, which is the average of the replicas."""
+    if self.request > self.merged:
+      self._round()  # updates already handed in must not be lost
+    self._rebase_all()
+    self.request += 1
+    self._round()
+    self._rebase_all()
 
   def summary(self) -> Dict:
     counts = [c.tolist() for c in self.staleness_counts]
@@ -561,6 +578,8 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
   if errors:
     raise errors[0]
   spread_before_final = rm.spread()
+  # Kept for inspection: the final model must be their average.
+  rm.before_final = [[v.numpy() for v in dense] for dense in rm.replica_dense]
   if coordination is not None:
     coordination.finish()
   else:
