@@ -139,6 +139,15 @@ class StepCounters:
   def __getitem__(self, worker: int) -> int:
     return self.steps[worker]
 
+  def wait_past(self, worker: int, step: int, stop: threading.Event) -> bool:
+    """Waits until `worker` has completed more than `step` steps; False if `stop` came first."""
+    with self.cond:
+      while self.steps[worker] <= step:
+        if stop.is_set():
+          return False
+        self.cond.wait(0.2)
+    return True
+
 
 def run_background(loops: Sequence[Callable[[], None]], stop: threading.Event,
                    errors: List[BaseException], name: str) -> List[threading.Thread]:

@@ -245,8 +245,14 @@ def _shadow_syncers(config, rm: ReplicatedModel, counters, log: rt.SyncLog,
         with tf.device(rt.worker_device(i)):
           shadow_sync.pull(rm.replica_dense[i], new_ps, snaps[i], alpha)
 
+      last = [0]
+
       def body():
+        # Nothing new from this worker since its last sync: wait for its next step.
+        if not counters.wait_past(i, last[0], stop):
+          return
         t0, s0 = time.perf_counter(), counters[i]
+        last[0] = s0
         with tf.device(rt.worker_device(i)):
           read()
         sleep()
@@ -277,9 +283,16 @@ def _shadow_syncers(config, rm: ReplicatedModel, counters, log: rt.SyncLog,
       with tf.device(rt.worker_device(i)):
         shadow_sync.pull(rm.replica_dense[i], target, snaps[i], alpha)
 
+  last = [[0] * n]
+
   def round_body():
+    # A round when every worker has stepped since the last one (each brings something new).
+    for i in range(n):
+      if not counters.wait_past(i, last[0][i], stop):
+        return
     t0 = time.perf_counter()
     starts = [counters[i] for i in range(n)]
+    last[0] = list(starts)
     read_all()
     sleep()
     average_and_pull()
