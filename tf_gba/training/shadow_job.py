@@ -13,7 +13,9 @@ parameter-server cluster (tf_gba.distribute.shadow_runtime says how the replicas
 - shadow_*: background synchroniser threads. S-EASGD: one per worker, exchanging with the
   "sync PS" copy (the PS-hosted dense variables of the checkpoint model); S-MA and S-BMUF: one
   thread running rounds over all workers (a PS-hosted average: every replica is read, averaged
-  on parameter server 0, and every worker pulls towards it). Each sync is recorded per worker.
+  on parameter server 0, and every worker pulls towards it). A sync starts as soon as the
+  previous one is done and its worker (for a round: every worker) has stepped since its last
+  sync; no rate is set. Each sync is recorded per worker.
 - asgd_nodelay: a master thread merges when every worker has at least one local gradient; a
   worker rebases onto a new PS model and hands in its update between two of its own steps, and
   waits only when its staleness reaches tau. Algorithm 2 (cycles of tau / 2) is the option
