@@ -11,8 +11,10 @@
   the sync layout.
 """
 
-import dataclasses
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -114,19 +116,35 @@ def test_asgd_never_exceeds_tau(tmp_path, algorithm, tau):
   assert asgd["merges"] >= 2
 
 
+DONOR = """
+import json, os, sys
+import tf_gba
+import tensorflow as tf
+import tf_keras as keras
+from tf_gba import data as data_lib
+from tf_gba import models as models_lib
+data, kwargs, model, dim, lr, out = sys.argv[1:]
+info = data_lib.data_info(data, **json.loads(kwargs))
+donor = models_lib.build_model(model, info, embedding_dim=int(dim), seed=123)
+adam = keras.optimizers.Adam(float(lr))
+donor.compile(adam, loss=keras.losses.BinaryCrossentropy())
+adam.build(donor.trainable_variables)
+adam.iterations.assign(500)
+for v in adam.variables[1:]:
+  v.assign(tf.fill(v.shape, 1e-3))
+tf.train.Checkpoint(model=donor).save(os.path.join(out, "ckpt"))
+"""
+
+
 def test_switching_sync_layout_to_shadow_and_back(tmp_path):
   cfg = config(tmp_path, "shadow_ma", steps=40)
   info = data_lib.data_info(cfg.data, **cfg.data_kwargs())
-  # A checkpoint in the sync mode's layout (tf_gba.training.sync_job.build_and_restore).
-  donor = models_lib.build_model(cfg.model, info, embedding_dim=cfg.embedding_dim, seed=123)
-  adam = keras.optimizers.Adam(cfg.learning_rate)
-  donor.compile(adam, loss=keras.losses.BinaryCrossentropy())
-  adam.build(donor.trainable_variables)
-  adam.iterations.assign(500)
-  for v in adam.variables[1:]:
-    v.assign(tf.fill(v.shape, 1e-3))
+  # A checkpoint in the sync mode's layout (tf_gba.training.sync_job.build_and_restore), written
+  # by a process of its own: this one's eager context may still name an earlier test's cluster.
   os.makedirs(cfg.model_dir)
-  tf.train.Checkpoint(model=donor).save(os.path.join(cfg.model_dir, "ckpt"))
+  subprocess.run([sys.executable, "-c", DONOR, cfg.data, json.dumps(cfg.data_kwargs()),
+                  cfg.model, str(cfg.embedding_dim), str(cfg.learning_rate), cfg.model_dir],
+                 check=True, timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
   summary, rm = train(cfg)
   assert summary["restored_from"] is not None
   assert summary["start_global_step"] == 500
