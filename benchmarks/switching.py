@@ -255,7 +255,9 @@ def run_config(args: argparse.Namespace, protocol: Protocol, mode: str, seed: in
     steps = INTERVALS * math.ceil(steps * args.local_batch_size / (local_batch * INTERVALS))
   # Logging intervals: worker steps in the parameter-server modes, global steps in sync.
   log_every = steps // INTERVALS // (num_workers if mode == "sync" else 1)
-  if mode != "sync" and args.input == "shared" and not args.steps_per_day:
+  # Only modes that read the shared data list (the registry's --input users) have a day mode.
+  if ("input" in mode_registry.get(mode).flags and args.input == "shared"
+      and not args.steps_per_day):
     steps = None  # one pass over the day through the shared data list, however long it takes
   return dict(
       input=args.input,
@@ -407,20 +409,22 @@ class Runner:
     """Every chain of one seed, the days interleaved over modes (slow drifts hit all alike)."""
     p = self.protocol
     bases = {}
-    for mode in ["sync"] + [m for m in modes if m != "sync"]:
+    # --from_sync_only (shadow modes' runs): no base in the other modes, no mode -> sync chains.
+    only_from_sync = getattr(self.args, "from_sync_only", False)
+    for mode in ["sync"] + [m for m in modes if m != "sync" and not only_from_sync]:
       previous = None
       for day in p.base_days:
         previous = self.run(f"base_{mode}", mode, seed, day, day + 1, previous, "base",
                             base_mode=mode)
       bases[mode] = previous
     heads = {("from_sync", m): bases["sync"] for m in modes}
-    heads.update({("to_sync", m): bases[m] for m in modes if m != "sync"})
+    heads.update({("to_sync", m): bases[m] for m in modes if m != "sync" and m in bases})
     for day, eval_day in zip(p.train_days, p.eval_days):
       for mode in modes:
         heads[("from_sync", mode)] = self.run(
             f"from_sync/{mode}", mode, seed, day, eval_day, heads[("from_sync", mode)],
             "from_sync", base_mode="sync")
-        if mode != "sync":
+        if mode != "sync" and ("to_sync", mode) in heads:
           heads[("to_sync", mode)] = self.run(
               f"to_sync/{mode}", "sync", seed, day, eval_day, heads[("to_sync", mode)],
               "to_sync", base_mode=mode)
@@ -767,6 +771,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--sweep", action="store_true",
                  help="run bsp, hop_bs and hop_bw at every setting of b2, b1, b3 (see above) and "
                       "report each at its best average AUC")
+  p.add_argument("--from_sync_only", action="store_true",
+                 help="only the sync -> mode direction (shadow modes: docs/shadow_sync.md)")
   p.add_argument("--resume", action="store_true",
                  help="keep the runs already finished under --out with the same configuration "
                       "(e.g. after an interruption or a failed run) and run only the others")

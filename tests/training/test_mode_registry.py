@@ -18,8 +18,9 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 def _reference_m(mode, n, local, global_batch=None, b2=None, b3=None):
   """M by the SPEC's rules, written out here."""
   default_fifth = max(1, int(n / 5 + 0.5))  # round(N / 5), N / 5 never a tie at .5 below
-  if mode in ("async", "async_tuned", "dts"):
-    return 1
+  if mode in ("async", "async_tuned", "dts", "shadow_easgd", "shadow_ma", "shadow_bmuf",
+              "asgd_nodelay"):
+    return 1  # every push (or replica step) applies at once
   if mode == "bsp":
     return b2 or default_fifth
   if mode == "hop_bs":
@@ -55,9 +56,9 @@ def test_every_mode_runs_an_existing_function_and_names_its_flags():
     assert callable(getattr(importlib.import_module(module), attr)), mode.name
     assert mode.flags <= flags_of_binary, (mode.name, mode.flags - flags_of_binary)
     assert mode.help and "\n" not in mode.help
-    if mode.kind == mode_registry.PARAMETER_SERVER:
+    if mode.run.target == "tf_gba.training.runner:run_parameter_server":
       from tf_gba.distribute import modes  # pylint: disable=g-import-not-at-top
-      assert mode.strategy_mode in modes.MODES
+      assert mode.strategy_mode in modes.MODES, mode.name
     if mode.parameter:
       assert mode.parameter in mode.flags
 
@@ -135,7 +136,8 @@ def test_benchmarks_read_the_registry():
   from benchmarks import mode_qps  # pylint: disable=g-import-not-at-top
   from benchmarks import switching  # pylint: disable=g-import-not-at-top
   assert switching.ALL_MODES == mode_registry.names(compared=True)
-  assert set(switching.EXTRA_MODES) == {"async_tuned"}
+  assert set(switching.EXTRA_MODES) == {"async_tuned", "shadow_easgd", "shadow_ma",
+                                        "shadow_bmuf", "asgd_nodelay"}
   assert switching.SWEPT == {"bsp": "bsp_aggregate", "hop_bs": "hop_bs_bound",
                              "hop_bw": "hop_bw_backup"}
   assert not mode_qps._has_input("sync") and mode_qps._has_input("gba")  # pylint: disable=protected-access

@@ -100,6 +100,16 @@ class TrainConfig:
   auto_hysteresis: float = 0.15
   auto_dwell_s: float = 20.0
   auto_confirm: int = 2
+  # ShadowSync's elastic alpha (every rule); S-BMUF's step size eta, block momentum and Nesterov;
+  # ASGD without gradient delay's maximal staleness tau and algorithm (1, or 2: cycles of tau/2);
+  # a delay injected into every sync or merge (tests and benchmarks of background syncing).
+  shadow_alpha: float = 0.5
+  shadow_bmuf_eta: float = 1.0
+  shadow_bmuf_momentum: float = 0.0
+  shadow_bmuf_nesterov: bool = False
+  asgd_tau: int = 4
+  asgd_algorithm: int = 1
+  shadow_sync_delay_ms: float = 0.0
 
   def __post_init__(self):
     if self.steps is None and not self.day_mode_possible:

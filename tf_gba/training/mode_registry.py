@@ -230,3 +230,34 @@ register(Mode(
     flags=_COMMON | {"auto_margin", "auto_hysteresis", "auto_dwell_s", "auto_confirm"},
     summary_fields=("final_mode", "train_seconds", "switches", "num_switches", "stays",
                     "timeline", "policy")))
+
+# ShadowSync and asynchronous SGD without gradient delay: embeddings on the parameter servers
+# (updated asynchronously), dense replicas trained on each worker (tf_gba/training/shadow_job.py).
+_SHADOW_FLAGS = frozenset({"stragglers", "straggler_seed", "shadow_alpha", "shadow_sync_delay_ms"})
+_SHADOW_RUN = lazy("tf_gba.training.shadow_job:run")
+_SHADOW_VALIDATE = lazy("tf_gba.training.shadow_job:validate")
+_SHADOW_SUMMARY = ("restored_from", "replica_spread_before_final_sync",
+                   "replica_spread_after_final_sync", "sync", "shadow_alpha", "asgd")
+register(Mode(
+    name="shadow_easgd", kind=PARAMETER_SERVER, validate=_SHADOW_VALIDATE,
+    help="ShadowSync S-EASGD: dense replicas per worker, pulled elastically (--shadow_alpha) "
+         "toward sync variables on the parameter servers by a background synchroniser",
+    run=_SHADOW_RUN, num_aggregate=_m_one, flags=_SHADOW_FLAGS, summary_fields=_SHADOW_SUMMARY))
+register(Mode(
+    name="shadow_ma", kind=PARAMETER_SERVER, validate=_SHADOW_VALIDATE,
+    help="ShadowSync S-MA: dense replicas per worker, averaged in the background",
+    run=_SHADOW_RUN, num_aggregate=_m_one, flags=_SHADOW_FLAGS, summary_fields=_SHADOW_SUMMARY))
+register(Mode(
+    name="shadow_bmuf", kind=PARAMETER_SERVER, validate=_SHADOW_VALIDATE,
+    help="ShadowSync S-BMUF: background block model-update filtering (--shadow_bmuf_*)",
+    run=_SHADOW_RUN, num_aggregate=_m_one,
+    flags=_SHADOW_FLAGS | {"shadow_bmuf_eta", "shadow_bmuf_momentum", "shadow_bmuf_nesterov"},
+    summary_fields=_SHADOW_SUMMARY))
+register(Mode(
+    name="asgd_nodelay", kind=PARAMETER_SERVER, validate=_SHADOW_VALIDATE,
+    help="asynchronous SGD without gradient delay: local steps merged as model deltas, a worker "
+         "waits at --asgd_tau local steps past the last model it received",
+    run=_SHADOW_RUN, num_aggregate=_m_one,
+    flags=frozenset({"stragglers", "straggler_seed", "shadow_sync_delay_ms", "asgd_tau",
+                     "asgd_algorithm"}),
+    summary_fields=_SHADOW_SUMMARY))

@@ -1,0 +1,206 @@
+"""Runtime for modes whose dense parameters are replicated per worker and trained locally.
+
+Used by ShadowSync (S-EASGD, S-MA, S-BMUF) and ASGD without gradient delay: embeddings live on
+the parameter servers and are updated asynchronously by every step (as in async mode); every
+worker owns a replica of the dense parameters; something else (a background synchroniser, a
+merging master) keeps the replicas together.
+
+How per-worker replicas are held under TF 2.21 (the choice, and why):
+  ParameterServerStrategy places every variable created under its scope on the parameter servers,
+  and its ClusterCoordinator sends each scheduled closure to whichever worker is free, so a
+  closure cannot address "this worker's replica" (per-worker resources exist only for datasets
+  and iterators). The runtime therefore connects to the same cluster the way the strategy does
+  (`tf.config.experimental_connect_to_cluster`, this process as the chief), places variables
+  explicitly (`/job:ps/task:k` for embeddings and the parameter-server copies,
+  `/job:worker/task:i` for worker i's replica, created outside any strategy scope), and runs
+  one driver thread per worker in the coordinator, each calling that worker's own step function
+  under `tf.device(<worker i>)` (what ClusterCoordinator's own worker threads do, minus the
+  queue). The synchroniser is a separate set of coordinator threads calling functions placed on
+  the parameter servers and workers: a training step never waits for it (the step function
+  contains no synchronisation op and takes no lock the synchroniser holds), which is the
+  property ShadowSync needs. What this gives up: ClusterCoordinator's re-scheduling of a
+  closure after a worker failure; a lost worker ends the run with its error.
+
+This module knows nothing of the update rules (tf_gba.optimizers) or of the model
+(tf_gba.training): it provides placement, the step budget, the driver and background threads,
+and the records of syncs (per worker, in that worker's training steps) and of step staleness.
+"""
+
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+WORKER_DEVICE = "/job:worker/replica:0/task:{}/device:CPU:0"
+PS_DEVICE = "/job:ps/replica:0/task:{}/device:CPU:0"
+
+
+def worker_device(i: int) -> str:
+  return WORKER_DEVICE.format(i)
+
+
+def ps_device(k: int) -> str:
+  return PS_DEVICE.format(k)
+
+
+def connect(resolver) -> None:
+  """Makes the cluster's devices reachable from this process (the chief), eagerly."""
+  tf.config.experimental_connect_to_cluster(resolver.cluster_spec(), job_name="chief",
+                                            task_index=0, protocol="grpc")
+
+
+class StepBudget:
+  """A shared count of worker steps: each driver claims one before running a step.
+
+  Fast workers take more of the budget than slow ones, as with a shared data list.
+  """
+
+  def __init__(self, total: int):
+    if total < 1:
+      raise ValueError(f"the step budget must be >= 1, got {total}.")
+    self.total = int(total)
+    self._taken = 0
+    self._lock = threading.Lock()
+
+  def claim(self) -> bool:
+    with self._lock:
+      if self._taken >= self.total:
+        return False
+      self._taken += 1
+      return True
+
+  @property
+  def taken(self) -> int:
+    return self._taken
+
+
+class SyncLog:
+  """Every sync of every worker, as that worker's completed training steps at the time.
+
+  A sync's gap is the number of the worker's training steps since its previous sync (the first
+  sync counts from step 0): ShadowSync's sync frequency is not a parameter, it is this.
+  """
+
+  def __init__(self, num_workers: int):
+    self._lock = threading.Lock()
+    self.at_step: List[List[int]] = [[] for _ in range(num_workers)]
+    self.during: List[List[int]] = [[] for _ in range(num_workers)]
+    self.seconds: List[float] = []
+
+  def record(self, worker: int, step_at_start: int, step_at_end: int) -> None:
+    """One sync of `worker` that began at its step_at_start and ended at step_at_end."""
+    with self._lock:
+      self.at_step[worker].append(int(step_at_end))
+      self.during[worker].append(int(step_at_end) - int(step_at_start))
+
+  def record_seconds(self, seconds: float) -> None:
+    with self._lock:
+      self.seconds.append(float(seconds))
+
+  def gaps(self, worker: int) -> List[int]:
+    steps = self.at_step[worker]
+    return [b - a for a, b in zip([0] + steps[:-1], steps)]
+
+  def summary(self) -> Dict:
+    gaps = [g for w in range(len(self.at_step)) for g in self.gaps(w)]
+    during = [d for ds in self.during for d in ds]
+    out = {
+        "syncs_per_worker": [len(s) for s in self.at_step],
+        "mean_sync_gap": float(np.mean(gaps)) if gaps else None,
+        "mean_sync_gap_per_worker": [float(np.mean(self.gaps(w))) if self.at_step[w] else None
+                                     for w in range(len(self.at_step))],
+        # Steps a worker trained while one of its syncs was in flight (0: the sync stopped it).
+        "mean_steps_during_sync": float(np.mean(during)) if during else None,
+        "mean_sync_seconds": float(np.mean(self.seconds)) if self.seconds else None,
+    }
+    if gaps:
+      q = np.percentile(gaps, [0, 10, 50, 90, 100])
+      out["sync_gap_percentiles"] = {k: float(v) for k, v in zip(
+          ("min", "p10", "p50", "p90", "max"), q)}
+      counts = np.bincount(np.asarray(gaps, np.int64))
+      out["sync_gap_histogram"] = {int(g): int(c) for g, c in enumerate(counts) if c}
+    return out
+
+
+class StepCounters:
+  """Completed training steps per worker, readable by the synchroniser at any time."""
+
+  def __init__(self, num_workers: int):
+    self.steps = [0] * num_workers
+    self.cond = threading.Condition()
+
+  def done(self, worker: int) -> None:
+    with self.cond:
+      self.steps[worker] += 1
+      self.cond.notify_all()
+
+  def __getitem__(self, worker: int) -> int:
+    return self.steps[worker]
+
+  def wait_past(self, worker: int, step: int, stop: threading.Event) -> bool:
+    """Waits until `worker` has completed more than `step` steps; False if `stop` came first."""
+    with self.cond:
+      while self.steps[worker] <= step:
+        if stop.is_set():
+          return False
+        self.cond.wait(0.2)
+    return True
+
+
+def run_background(loops: Sequence[Callable[[], None]], stop: threading.Event,
+                   errors: List[BaseException], name: str) -> List[threading.Thread]:
+  """Starts one daemon thread per loop body; each calls its body until `stop` is set.
+
+  An exception in a body is kept in `errors` and sets `stop` (training ends with it).
+  """
+  threads = []
+  for k, body in enumerate(loops):
+    def target(body=body):
+      try:
+        while not stop.is_set():
+          body()
+      except BaseException as e:  # pylint: disable=broad-except
+        errors.append(e)
+        stop.set()
+    t = threading.Thread(target=target, daemon=True, name=f"{name}-{k}")
+    t.start()
+    threads.append(t)
+  return threads
+
+
+def drive_workers(num_workers: int, step: Callable[[int], None], budget: StepBudget,
+                  counters: StepCounters, stop: threading.Event, errors: List[BaseException],
+                  before_step: Optional[Callable[[int], bool]] = None,
+                  timeout_s: Optional[float] = None) -> float:
+  """Runs the training: one driver thread per worker until the budget is spent; returns seconds.
+
+  `step(i)` runs one step of worker i (its own function under its own device);
+  `before_step(i)` may wait (ASGD's staleness bound) and returns False to stop that worker.
+  """
+  def target(i):
+    try:
+      while not stop.is_set():
+        if before_step is not None and not before_step(i):
+          return
+        if not budget.claim():
+          return
+        step(i)
+        counters.done(i)
+    except BaseException as e:  # pylint: disable=broad-except
+      errors.append(e)
+      stop.set()
+
+  t0 = time.perf_counter()
+  threads = [threading.Thread(target=target, args=(i,), daemon=True, name=f"replica-worker-{i}")
+             for i in range(num_workers)]
+  for t in threads:
+    t.start()
+  deadline = None if timeout_s is None else t0 + timeout_s
+  for t in threads:
+    t.join(None if deadline is None else max(0.0, deadline - time.perf_counter()))
+    if t.is_alive():
+      stop.set()
+      raise TimeoutError(f"training did not finish within {timeout_s} s (a worker is stuck).")
+  return time.perf_counter() - t0
