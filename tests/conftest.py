@@ -27,3 +27,21 @@ def pytest_unconfigure(config):
                os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
   os.dup2(fd, 2)
   os.close(fd)
+
+
+# A test that hangs (a cluster waiting on a process that will not answer) would otherwise hold
+# the whole run until CI's limit: past this many seconds the run stops with every thread's stack.
+_TEST_TIME_LIMIT_S = int(os.environ.get("TF_GBA_TEST_TIME_LIMIT_S", "1200"))
+
+
+def pytest_runtest_setup(item):
+  del item
+  import faulthandler  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  faulthandler.dump_traceback_later(_TEST_TIME_LIMIT_S, exit=True, file=sys.__stderr__)
+
+
+def pytest_runtest_teardown(item):
+  del item
+  import faulthandler  # pylint: disable=g-import-not-at-top
+  faulthandler.cancel_dump_traceback_later()

@@ -75,7 +75,8 @@ def _criteo_rows(n):
     (["--data=parquet:/x"], "Unknown data spec 'parquet:/x'"),
     (["--mode=auto", "--auto_margin=0"], "--auto_margin must be > 0"),
     (["--mode=auto", "--auto_dwell_s=-1"], "--auto_dwell_s must be >= 0"),
-    (["--mode=auto", "--global_batch_size=128"], "--mode=auto trains Sync's global batch"),
+    (["--mode=auto", "--global_batch_size=128"],
+     "--mode=auto does not use --global_batch_size (used by sync, gba); drop it"),
 ])
 def test_flags_out_of_range(tmp_path, flags, expected):
   line = _error_line(_train(*flags, f"--model_dir={tmp_path / 'm'}"))

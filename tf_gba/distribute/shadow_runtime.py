@@ -114,6 +114,8 @@ class SyncLog:
         # Steps a worker trained while one of its syncs was in flight (0: the sync stopped it).
         "mean_steps_during_sync": float(np.mean(during)) if during else None,
         "mean_sync_seconds": float(np.mean(self.seconds)) if self.seconds else None,
+        # The median too: the end of training cuts the injected delay of the syncs in flight.
+        "median_sync_seconds": float(np.median(self.seconds)) if self.seconds else None,
     }
     if gaps:
       q = np.percentile(gaps, [0, 10, 50, 90, 100])

@@ -426,6 +426,9 @@ class _AsgdCoordination:
     if self.request > self.merged:
       self._round()  # updates already handed in must not be lost
     self._rebase_all()
+    # Each replica now holds the newest model plus its own unmerged steps (a worker may have
+    # stopped before receiving the last model): the final merge gives their average.
+    self.rm.before_final = [[v.numpy() for v in dense] for dense in self.rm.replica_dense]
     self.request += 1
     self._round()
     self._rebase_all()
