@@ -128,7 +128,7 @@ def define_flags() -> None:
                     "Local runs: put the job (coordinator and servers) in a network namespace of "
                     "its own, so that other hosts cannot reach its unauthenticated TF servers "
                     "(README: Security). Turn off to read data over the network (gs://, ...).")
-  # --- shadow modes (tf_gba.training.shadow_job) ---
+  # ShadowSync and ASGD without gradient delay (tf_gba/training/shadow_job.py).
   flags.DEFINE_float("shadow_alpha", 0.5, "shadow_*: elastic alpha of the replicas' pull.")
   flags.DEFINE_float("shadow_bmuf_eta", 1.0, "shadow_bmuf: block step size eta.")
   flags.DEFINE_float("shadow_bmuf_momentum", 0.0, "shadow_bmuf: block momentum (0: none).")
@@ -138,7 +138,6 @@ def define_flags() -> None:
                        "asgd_nodelay: Algorithm 1, or 2 (cycles of tau / 2 steps).")
   flags.DEFINE_float("shadow_sync_delay_ms", 0.0,
                      "shadow_*/asgd_nodelay: delay injected into every sync or merge.")
-  # --- end shadow modes ---
   flags.DEFINE_bool("keep_logs", False,
                     "Keep the log files of this process and of the local cluster's servers (in "
                     "<model_dir>/logs); by default they go to a temporary directory deleted at "
