@@ -95,6 +95,8 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
+from tf_gba.optimizers import wrapping
+
 
 def per_replica_nests(strategy: tf.distribute.Strategy, nest) -> List:
   """Splits a nest of distributed values into one nest of local tensors per local replica."""
@@ -163,7 +165,7 @@ class _VarState:
 
 
 @keras.utils.register_keras_serializable(package="tf_gba")
-class DTS(keras.optimizers.Optimizer):
+class DTS(wrapping.InnerOptimizerDelegation, keras.optimizers.Optimizer):
   """Delayed (`delay`) and temporally sparse (`period`) SGD / momentum SGD with compensation.
 
   tf_keras internals kept (no public equivalent): `inner._trackable_children` (the SGD's
@@ -225,11 +227,7 @@ class DTS(keras.optimizers.Optimizer):
     self.local_models: Optional[_PerReplicaCopies] = None
     self.exchange_driver = None  # Set by the driver of the schedule (callback or trainer).
 
-  # ---- delegation to the inner SGD ---------------------------------------------------------------
-  @property
-  def inner_optimizer(self) -> keras.optimizers.Optimizer:
-    return self._inner
-
+  # ---- delegation to the inner SGD (iterations, learning rate, variables: wrapping.py) -----------
   @property
   def strategy(self) -> tf.distribute.Strategy:
     """The strategy DTS was created under (its replicas are the local models)."""
@@ -240,33 +238,11 @@ class DTS(keras.optimizers.Optimizer):
     """"momentum" or "sgd": the local update rule."""
     return "momentum" if self.momentum else "sgd"
 
-  @property
-  def iterations(self):
-    return self._inner.iterations
-
-  @iterations.setter
-  def iterations(self, variable):
-    self._inner.iterations = variable
-
-  @property
-  def learning_rate(self):
-    return self._inner.learning_rate
-
-  @learning_rate.setter
-  def learning_rate(self, value):
-    self._inner.learning_rate = value
-
-  @property
-  def variables(self):
-    return self._inner.variables
-
-  def _trackable_children(self, save_type="checkpoint", **kwargs):
-    # The inner SGD's children (iterations, momentum slots) stand in the wrapper's place, so a
-    # checkpoint of synchronous training with the same SGD restores into DTS and back; the
-    # compensation state and the per-replica copies are the added "dts" entry.
-    children = dict(self._inner._trackable_children(save_type, **kwargs))  # pylint: disable=protected-access
-    children["dts"] = self._dts_state
-    return children
+  def _wrapper_state(self):
+    # Beside the inner SGD's children (iterations, momentum slots): a checkpoint of synchronous
+    # training with the same SGD restores into DTS and back; the compensation state and the
+    # per-replica copies are the added "dts" entry.
+    return "dts", self._dts_state
 
   # ----------------------------------------------------------------------------------------------
   # Schedule: pure functions of the step number, identical on every worker.

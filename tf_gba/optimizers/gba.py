@@ -22,6 +22,7 @@ import tf_keras as keras
 
 from tf_gba.distribute import step_context
 from tf_gba.ops import gba_ops
+from tf_gba.optimizers import wrapping
 
 
 def resolve_num_aggregate(num_aggregate: Optional[int], global_batch_size: Optional[int],
@@ -65,7 +66,7 @@ def _track(state: _GBAState, name: str, resource) -> None:
 
 
 @keras.utils.register_keras_serializable(package="tf_gba")
-class GBA(keras.optimizers.Optimizer):
+class GBA(wrapping.InnerOptimizerDelegation, keras.optimizers.Optimizer):
   """Wraps a tf_keras optimizer so that it applies one aggregate per global batch.
 
   Args:
@@ -180,30 +181,6 @@ class GBA(keras.optimizers.Optimizer):
 
   # ---- delegation to the inner optimizer -------------------------------------------------------
   @property
-  def inner_optimizer(self) -> keras.optimizers.Optimizer:
-    return self._inner
-
-  @property
-  def iterations(self):
-    return self._inner.iterations
-
-  @iterations.setter
-  def iterations(self, variable):
-    self._inner.iterations = variable
-
-  @property
-  def learning_rate(self):
-    return self._inner.learning_rate
-
-  @learning_rate.setter
-  def learning_rate(self, value):
-    self._inner.learning_rate = value
-
-  @property
-  def variables(self):
-    return self._inner.variables
-
-  @property
   def num_aggregate(self) -> int:
     return self._num_aggregate
 
@@ -213,12 +190,10 @@ class GBA(keras.optimizers.Optimizer):
       config = self._gba_strategy.buffer_config(config)
     return config
 
-  def _trackable_children(self, save_type="checkpoint", **kwargs):
-    # The inner optimizer's children stand in the wrapper's place, so a checkpoint written with
-    # plain Adam (synchronous training) restores into GBA(Adam) and back: only "gba" is added.
-    children = dict(self._inner._trackable_children(save_type, **kwargs))  # pylint: disable=protected-access
-    children[self.STATE_KEY] = self._gba_state
-    return children
+  def _wrapper_state(self):
+    # Beside the inner optimizer's children: a checkpoint written with plain Adam (synchronous
+    # training) restores into GBA(Adam) and back; only "gba" is added.
+    return self.STATE_KEY, self._gba_state
 
   # ---- building ----------------------------------------------------------------------------------
   def _read_version(self):
