@@ -21,10 +21,10 @@ import tf_keras as keras
 
 from tf_gba import data as data_lib
 from tf_gba import models as models_lib
+from tf_gba.common import metrics
 from tf_gba.distribute import collective_cluster
 from tf_gba.distribute.dts_training import DTSTrainer
 from tf_gba.optimizers.dts import DTS
-from tf_gba.training import metrics
 from tf_gba.training import summary as summary_lib
 from tf_gba.training.config import TrainConfig
 
