@@ -29,7 +29,7 @@ Usage:
   python -m benchmarks.adaptive_revision_delay                       # synthetic, all 3 patterns
   python -m benchmarks.adaptive_revision_delay --patterns=constant --num_examples=5000
   python -m benchmarks.adaptive_revision_delay \
-      --criteo=/work/shared/data/criteo_sample/train_8k.tsv.gz,/work/shared/data/criteo_sample/eval_2k.tsv.gz
+      --criteo=<data>/criteo_sample/train_8k.tsv.gz,<data>/criteo_sample/eval_2k.tsv.gz
 
 Writes `results.md`, `results.json` and `logloss_vs_delay.png` (if matplotlib is installed) to
 --output_dir.
