@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from tf_gba.training import mode_registry
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -37,7 +39,9 @@ def default_steps(window_s: float, factor: float, num_workers: int, compute_ms: 
 
 
 def run_one(mode: str, seed: int, args, trace: str, model_dir: str) -> dict:
-  flags = [f"--mode={mode}", "--model=deepfm", "--data=synthetic", "--input=sharded",
+  # Static shards where a mode has a choice (auto's own stays read static shards).
+  input_flag = (["--input=sharded"] if "input" in mode_registry.get(mode).flags else [])
+  flags = [f"--mode={mode}", "--model=deepfm", "--data=synthetic", *input_flag,
            f"--stragglers=compute:{args.compute_ms:g}+trace:{trace}", f"--steps={args.steps}",
            f"--log_every={args.log_every}", f"--model_dir={model_dir}", "--num_ps=1",
            f"--num_workers={args.num_workers}", f"--local_batch_size={args.local_batch_size}",

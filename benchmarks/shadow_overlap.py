@@ -16,6 +16,7 @@ take at least that long, as on machines of their own (see benchmarks/mode_qps.py
 import argparse
 import json
 import os
+import shutil
 import statistics
 
 from benchmarks.mode_qps import run_one
@@ -40,9 +41,9 @@ def main(argv=None):
     for mode in args.modes.split(","):
       for delay in delays:
         model_dir = os.path.join(args.out, f"{mode}_{int(delay)}ms_{rep}")
-        os.system(f"rm -rf {model_dir}")
+        shutil.rmtree(model_dir, ignore_errors=True)
         s = run_one(mode, args.stragglers, args.steps, model_dir,
-                    [f"--shadow_sync_delay_ms={delay}", "--input=sharded", *extra],
+                    [f"--shadow_sync_delay_ms={delay}", *extra],
                     args.num_workers, args.local_batch_size, "sharded")
         rows.setdefault((mode, delay), []).append(s)
         print(f"  {mode} delay {delay:.0f} ms rep {rep}: QPS {s['global_qps']:,.0f}, "
