@@ -14,12 +14,12 @@ import tf_gba  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow loads K
 import numpy as np
 import pytest
 import tensorflow as tf
+import tensorflow_recommenders as tfrs
 
 import shared_data
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-tfrs = pytest.importorskip("tensorflow_recommenders")
 
 
 def _env():

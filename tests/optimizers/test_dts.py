@@ -9,6 +9,7 @@ form from the paper's Eq. 6), the step-by-step recurrences Eq. 3, 7-8, 9, 11, 12
 """
 
 import os
+import sys
 import time
 
 import tf_gba  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow loads Keras)
@@ -24,26 +25,16 @@ from tf_gba.distribute.latency import AsyncAllReduce
 from tf_gba.optimizers.dts import DTS
 from tf_gba.training.dts_job import train_dts
 
+# The multi-worker test's worker processes load this file by its path, without pytest's sys.path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import logical_cpus  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
 LR = 0.1
 M = 0.9
 DIM = 3
 
 
-def _configure_logical_cpus(count: int):
-  # Logical devices must be configured before TensorFlow initialises them, i.e. at collection.
-  # Left alone when something else configured them already, and in cluster worker processes.
-  if "TF_CONFIG" in os.environ:
-    return
-  cpu = tf.config.list_physical_devices("CPU")[0]
-  if tf.config.get_logical_device_configuration(cpu) is None:
-    try:
-      tf.config.set_logical_device_configuration(
-          cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
-    except RuntimeError:
-      pass
-
-
-_configure_logical_cpus(4)
+logical_cpus.configure(4)
 
 
 @pytest.fixture(scope="module")

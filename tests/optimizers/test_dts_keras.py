@@ -10,7 +10,6 @@ and synchronous momentum SGD on the replicas' mean gradients, which every replic
 exchanges are drained.
 """
 
-import os
 
 import tf_gba  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow loads Keras)
 import numpy as np
@@ -21,26 +20,15 @@ import tf_keras as keras
 from tf_gba.distribute.dts_training import make_local_mirrored_strategy
 from tf_gba.optimizers import DTS
 
+import logical_cpus
+
 LR = 0.1
 M = 0.9
 DIM = 3
 REPLICAS = 3
 
 
-def _configure_logical_cpus(count: int):
-  # Logical devices must be configured before TensorFlow initialises them, i.e. at collection.
-  if "TF_CONFIG" in os.environ:
-    return
-  cpu = tf.config.list_physical_devices("CPU")[0]
-  if tf.config.get_logical_device_configuration(cpu) is None:
-    try:
-      tf.config.set_logical_device_configuration(
-          cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
-    except RuntimeError:
-      pass
-
-
-_configure_logical_cpus(4)
+logical_cpus.configure(4)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ strategy it runs under, and the strategy its misuse message names. Each case:
 
 import contextlib
 import dataclasses
-import os
 from typing import Callable, List
 
 import tf_gba  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow loads Keras)
@@ -30,23 +29,12 @@ from tf_gba.optimizers import DTS
 from tf_gba.optimizers import GBA
 from tf_gba.optimizers import AdaptiveRevision
 
+import logical_cpus
+
 STEPS = 4
 
 
-def _configure_logical_cpus(count: int):
-  # Logical devices must be configured before TensorFlow initialises them, i.e. at collection.
-  if "TF_CONFIG" in os.environ:
-    return
-  cpu = tf.config.list_physical_devices("CPU")[0]
-  if tf.config.get_logical_device_configuration(cpu) is None:
-    try:
-      tf.config.set_logical_device_configuration(
-          cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
-    except RuntimeError:
-      pass
-
-
-_configure_logical_cpus(4)
+logical_cpus.configure(4)
 
 
 def _ps_strategy(mode: str):
