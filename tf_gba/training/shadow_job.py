@@ -305,30 +305,50 @@ def _shadow_syncers(config, rm: ReplicatedModel, counters, log: rt.SyncLog,
   return [round_body]
 
 
-class _AsgdCoordination:
-  """Algorithm 1's hand-offs between the master thread and the workers' driver threads."""
+class _AsgdCoordinationBase:
+  """What both algorithms' coordinations hold: the workers' ASGD state, the master, the lock the
+  threads hand off under, and the per-step staleness and blocking they report."""
 
   def __init__(self, config, rm: ReplicatedModel, counters, log: rt.SyncLog,
-               stop: threading.Event):
+               stop: threading.Event, worker_cls, name: str):
     n = rm.num_workers
     self.n, self.rm, self.counters, self.log, self.stop = n, rm, counters, log, stop
     self.tau = config.asgd_tau
-    self.workers = [asgd_nodelay.AsgdWorker(rm.replica_dense[i], self.tau, name=f"asgd_w{i}")
+    self.workers = [worker_cls(rm.replica_dense[i], self.tau, name=f"{name}{i}")
                     for i in range(n)]
     self.master = asgd_nodelay.AsgdMaster(rm.dense)
     self.cond = threading.Condition()
-    self.version = 0             # PS models published
-    self.received = [-1] * n     # version each worker holds
-    self.request = 0             # hand-in rounds requested
-    self.handed = [0] * n        # rounds each worker handed in
-    self.deltas = [None] * n
+    self.version = 0
     # Sized past tau so that a step beyond the bound would be counted where a test sees it.
     self.staleness_counts = [np.zeros(2 * self.tau + 2, np.int64) for _ in range(n)]
     self.blocked_seconds = [0.0] * n
     self.sleep = _Sleep(config.shadow_sync_delay_ms, stop)
+    self.budget_spent = lambda: False  # set by train(): a worker waiting at the end stops
+
+  def summary(self) -> Dict:
+    total = np.sum(self.staleness_counts, axis=0)
+    steps = max(1, int(total.sum()))
+    return {"asgd_tau": self.tau, "merges": self.master.version,
+            "staleness_histogram_per_worker": [c.tolist() for c in self.staleness_counts],
+            "max_step_staleness": int(np.max(np.nonzero(total)[0])) if total.any() else 0,
+            "mean_step_staleness": float(np.dot(np.arange(len(total)), total) / steps),
+            "blocked_seconds_per_worker": [round(s, 3) for s in self.blocked_seconds]}
+
+
+class _AsgdCoordination(_AsgdCoordinationBase):
+  """Algorithm 1's hand-offs between the master thread and the workers' driver threads."""
+
+  def __init__(self, config, rm: ReplicatedModel, counters, log: rt.SyncLog,
+               stop: threading.Event):
+    super().__init__(config, rm, counters, log, stop, asgd_nodelay.AsgdWorker, "asgd_w")
+    n = self.n
+    # self.version: PS models published.
+    self.received = [-1] * n     # version each worker holds
+    self.request = 0             # hand-in rounds requested
+    self.handed = [0] * n        # rounds each worker handed in
+    self.deltas = [None] * n
     self.merge_started = [0] * n
     self.merged = 0              # hand-in rounds merged
-    self.budget_spent = lambda: False  # set by train(): a worker waiting at the end stops
 
   def before_step(self, i: int) -> bool:
     """Between two steps of worker i: rebase, hand in, and wait only at staleness tau."""
@@ -433,37 +453,17 @@ class _AsgdCoordination:
     self._round()
     self._rebase_all()
 
-  def summary(self) -> Dict:
-    counts = [c.tolist() for c in self.staleness_counts]
-    total = np.sum(self.staleness_counts, axis=0)
-    steps = max(1, int(total.sum()))
-    return {"asgd_tau": self.tau, "merges": self.master.version,
-            "staleness_histogram_per_worker": counts,
-            "max_step_staleness": int(np.max(np.nonzero(total)[0])) if total.any() else 0,
-            "mean_step_staleness": float(np.dot(np.arange(len(total)), total) / steps),
-            "blocked_seconds_per_worker": [round(s, 3) for s in self.blocked_seconds]}
 
 
-class _Alg2Coordination:
+class _Alg2Coordination(_AsgdCoordinationBase):
   """Algorithm 2: cycles of beta = tau / 2 steps; at a boundary a worker waits for the PS model
   of the previous boundary's merge (pipelined: the merge runs while the workers train)."""
 
   def __init__(self, config, rm: ReplicatedModel, counters, log: rt.SyncLog,
                stop: threading.Event):
-    n = rm.num_workers
-    self.n, self.rm, self.counters, self.log, self.stop = n, rm, counters, log, stop
-    self.tau = config.asgd_tau
-    self.workers = [asgd_nodelay.Alg2Worker(rm.replica_dense[i], self.tau, name=f"asgd2_w{i}")
-                    for i in range(n)]
-    self.master = asgd_nodelay.AsgdMaster(rm.dense)
-    self.cond = threading.Condition()
-    self.version = 0                      # merges done: model j is available when version >= j
+    super().__init__(config, rm, counters, log, stop, asgd_nodelay.Alg2Worker, "asgd2_w")
+    # self.version: merges done; model j is available when version >= j.
     self.pending: Dict[int, List] = {}    # boundary -> updates handed in
-    # Sized past tau so that a step beyond the bound would be counted where a test sees it.
-    self.staleness_counts = [np.zeros(2 * self.tau + 2, np.int64) for _ in range(n)]
-    self.blocked_seconds = [0.0] * n
-    self.sleep = _Sleep(config.shadow_sync_delay_ms, stop)
-    self.budget_spent = lambda: False  # set by train(): a worker waiting at the end stops
 
   def before_step(self, i: int) -> bool:
     w = self.workers[i]
@@ -513,13 +513,7 @@ class _Alg2Coordination:
     self.rm.average_into_master()
 
   def summary(self) -> Dict:
-    total = np.sum(self.staleness_counts, axis=0)
-    steps = max(1, int(total.sum()))
-    return {"asgd_tau": self.tau, "asgd_algorithm": 2, "merges": self.master.version,
-            "staleness_histogram_per_worker": [c.tolist() for c in self.staleness_counts],
-            "max_step_staleness": int(np.max(np.nonzero(total)[0])) if total.any() else 0,
-            "mean_step_staleness": float(np.dot(np.arange(len(total)), total) / steps),
-            "blocked_seconds_per_worker": [round(s, 3) for s in self.blocked_seconds]}
+    return {**super().summary(), "asgd_algorithm": 2}
 
 
 def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 3600.0,
