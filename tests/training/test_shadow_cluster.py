@@ -57,11 +57,7 @@ def train(cfg, **kw):
     return summary, Replicas(rm)
 
 
-@pytest.mark.parametrize("mode", ["shadow_easgd", "shadow_ma", "shadow_bmuf", pytest.param(
-    "asgd_nodelay", marks=pytest.mark.xfail(
-        reason="known defect: asgd_nodelay's final merge can differ from the average of the "
-        "rebased replicas by up to ~6e-3 (every replica does equal the final model); open",
-        strict=False))])
+@pytest.mark.parametrize("mode", ["shadow_easgd", "shadow_ma", "shadow_bmuf", "asgd_nodelay"])
 def test_replicas_agree_after_final_sync(tmp_path, mode):
   cfg = config(tmp_path, mode, steps=80, asgd_tau=4)
   summary, reps = train(cfg)

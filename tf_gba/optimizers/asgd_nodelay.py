@@ -22,6 +22,8 @@ from typing import List, Sequence
 
 import tensorflow as tf
 
+from tf_gba.distribute.shadow_runtime import completed_function
+
 
 def check_tau(tau: int, algorithm: int = 1) -> int:
   tau = int(tau)
@@ -67,8 +69,9 @@ class AsgdWorker:
     self.i_init = 0
     self.staleness = self.tau
     self.received = 0  # PS models received
-    self._take = tf.function(self._take_fn)
-    self._receive = tf.function(self._receive_fn)
+    # Hand-offs between devices: each returns once its assignments are done.
+    self._take = completed_function(self._take_fn)
+    self._receive = completed_function(self._receive_fn)
 
   @property
   def must_wait(self) -> bool:
@@ -122,7 +125,7 @@ class AsgdMaster:
   def __init__(self, ps_x: Sequence[tf.Variable]):
     self.ps_x = list(ps_x)
     self.version = 0
-    self._merge = tf.function(self._merge_fn)
+    self._merge = completed_function(self._merge_fn)
 
   def _merge_fn(self, deltas):
     n = float(len(deltas))
@@ -153,7 +156,7 @@ class Alg2Worker:
     self.delta = [_like(v, f"{name}_delta_{k}") for k, v in enumerate(self.x)]
     self.i = 0
     self.cycle = -1  # boundaries passed - 1
-    self._boundary = tf.function(self._boundary_fn)
+    self._boundary = completed_function(self._boundary_fn)
 
   @property
   def at_boundary(self) -> bool:

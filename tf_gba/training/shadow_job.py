@@ -230,7 +230,7 @@ def _shadow_syncers(config, rm: ReplicatedModel, counters, log: rt.SyncLog,
   snaps = _snapshots(rm)
 
   def reader(workers):
-    @tf.function
+    @rt.completed_function
     def read():
       for i in workers:
         for s, w in zip(snaps[i], rm.replica_dense[i]):
@@ -241,7 +241,7 @@ def _shadow_syncers(config, rm: ReplicatedModel, counters, log: rt.SyncLog,
     def make(i):
       read = reader([i])
 
-      @tf.function
+      @rt.completed_function
       def exchange():
         with tf.device(rt.ps_device(0)):
           new_ps = shadow_sync.apply_easgd_ps(rm.dense, snaps[i], alpha)
@@ -272,7 +272,7 @@ def _shadow_syncers(config, rm: ReplicatedModel, counters, log: rt.SyncLog,
                   for k, v in enumerate(rm.dense)]
   read_all = reader(range(n))
 
-  @tf.function
+  @rt.completed_function
   def average_and_pull():
     with tf.device(rt.ps_device(0)):
       w_c = shadow_sync.mean_values(snaps)
