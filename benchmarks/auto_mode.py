@@ -40,7 +40,7 @@ def default_steps(window_s: float, factor: float, num_workers: int, compute_ms: 
 
 def run_one(mode: str, seed: int, args, trace: str, model_dir: str) -> dict:
   # Static shards where a mode has a choice (auto's own stays read static shards).
-  input_flag = (["--input=sharded"] if "input" in mode_registry.get(mode).flags else [])
+  input_flag = (["--input=sharded"] if mode_registry.reads_input(mode) else [])
   flags = [f"--mode={mode}", "--model=deepfm", "--data=synthetic", *input_flag,
            f"--stragglers=compute:{args.compute_ms:g}+trace:{trace}", f"--steps={args.steps}",
            f"--log_every={args.log_every}", f"--model_dir={model_dir}", "--num_ps=1",

@@ -68,15 +68,11 @@ def ps_limit_qps(profile: str, num_workers: int, local_batch_size: int) -> Optio
   return sum(local_batch_size / (floor_s * x) for x in factors)
 
 
-def _has_input(mode: str) -> bool:
-  return "input" in mode_registry.get(mode).flags
-
-
 def run_one(mode: str, profile: str, steps: int, model_dir: str, extra, num_workers: int = 4,
             local_batch_size: int = 256, input_mode: str = "shared") -> dict:
   binary_mode = "async" if mode.startswith("async") else mode
   # The binary refuses flags a mode does not read: the input only where the mode has one.
-  flags = [f"--mode={binary_mode}"] + ([f"--input={input_mode}"] if _has_input(binary_mode)
+  flags = [f"--mode={binary_mode}"] + ([f"--input={input_mode}"] if mode_registry.reads_input(binary_mode)
                                        else []) + [
            f"--stragglers={PROFILES.get(profile, profile)}", f"--steps={steps}",
            "--log_every=250", f"--model_dir={model_dir}", "--num_ps=1",
@@ -108,7 +104,7 @@ def main(argv=None):
   inputs = args.inputs.split(",")
   # A mode per input ("gba/sharded") when several inputs are compared; sync has its own input.
   def has_input(m):
-    return _has_input("async" if m.startswith("async") else m)
+    return mode_registry.reads_input("async" if m.startswith("async") else m)
   modes = [m if len(inputs) == 1 or not has_input(m) else f"{m}/{i}"
            for m in args.modes.split(",") for i in (inputs if has_input(m) else inputs[:1])]
   profiles = args.stragglers.split(",")

@@ -256,8 +256,7 @@ def run_config(args: argparse.Namespace, protocol: Protocol, mode: str, seed: in
   # Logging intervals: worker steps in the parameter-server modes, global steps in sync.
   log_every = steps // INTERVALS // (num_workers if mode == "sync" else 1)
   # Only modes that read the shared data list (the registry's --input users) have a day mode.
-  if ("input" in mode_registry.get(mode).flags and args.input == "shared"
-      and not args.steps_per_day):
+  if mode_registry.reads_input(mode) and args.input == "shared" and not args.steps_per_day:
     steps = None  # one pass over the day through the shared data list, however long it takes
   return dict(
       input=args.input,

@@ -88,6 +88,9 @@ def test_unused_flags():
   assert mode_registry.unused_flags("sync", ["input", "hop_bw_backup", "stragglers"]) == [
       "hop_bw_backup", "input"]
   assert mode_registry.unused_flags("dts", ["dts_delay", "stragglers"]) == ["stragglers"]
+  # The data list's readers: the parameter-server modes built on the dense buffer's runner.
+  assert mode_registry.reads_input("gba") and mode_registry.reads_input("hop_bw")
+  assert not mode_registry.reads_input("sync") and not mode_registry.reads_input("shadow_ma")
   message = mode_registry.unused_flags_message("async", ["bsp_aggregate"])
   assert message == "--mode=async does not use --bsp_aggregate (used by bsp); drop it"
 
@@ -133,14 +136,12 @@ def test_a_registered_mode_is_known_to_config_and_benchmarks():
 
 
 def test_benchmarks_read_the_registry():
-  from benchmarks import mode_qps  # pylint: disable=g-import-not-at-top
   from benchmarks import switching  # pylint: disable=g-import-not-at-top
   assert switching.ALL_MODES == mode_registry.names(compared=True)
   assert set(switching.EXTRA_MODES) == {"async_tuned", "shadow_easgd", "shadow_ma",
                                         "shadow_bmuf", "asgd_nodelay"}
   assert switching.SWEPT == {"bsp": "bsp_aggregate", "hop_bs": "hop_bs_bound",
                              "hop_bw": "hop_bw_backup"}
-  assert not mode_qps._has_input("sync") and mode_qps._has_input("gba")  # pylint: disable=protected-access
 
 
 def test_mode_checks_of_a_mode_live_with_its_entry():

@@ -79,6 +79,12 @@ def get(name: str) -> Mode:
     raise ValueError(f"--mode must be one of {names()}, got {name!r}.") from None
 
 
+def reads_input(name: str) -> bool:
+  """Whether mode `name` reads `--input` (shared data list or static shards): the binary refuses
+  the flag for the others."""
+  return "input" in get(name).flags
+
+
 def names(kind: Optional[str] = None, compared: Optional[bool] = None) -> Tuple[str, ...]:
   """Registered mode names in registration order, optionally of one kind / compared ones."""
   return tuple(m.name for m in _REGISTRY.values()
