@@ -44,8 +44,8 @@ def pytest_runtest_setup(item):
 def pytest_runtest_teardown(item):
   del item
   import faulthandler  # pylint: disable=g-import-not-at-top
+  _drain_remote_releases()  # still under the test's watchdog, should a release never return
   faulthandler.cancel_dump_traceback_later()
-  _drain_remote_releases()
 
 
 def _drain_remote_releases():
