@@ -32,15 +32,10 @@ $(EDITABLE): setup.py $(STAMP)
 build: $(EDITABLE)
 	$(PY) setup.py -q build_ext --inplace
 
-# DTS's tests need TensorFlow's context created with 4 logical CPUs (MirroredStrategy replicas),
-# which must be configured before anything initialises TensorFlow, and a process that never
-# connected to a parameter-server cluster (MirroredStrategy's collectives hang after that): they
-# run in their own process, the optimizer contract too (its DTS case runs before its cluster ones).
-IN_PROCESS_TESTS = tests/optimizers/test_dts.py tests/optimizers/test_dts_keras.py \
-	tests/optimizers/test_optimizer_contract.py
+# Each test module runs in its own process (tests/module_process.py), so the DTS modules get their
+# logical CPUs configured before TensorFlow starts and no module sees another's stopped clusters.
 test: build
-	$(PY) -m pytest -q tests $(addprefix --ignore=,$(IN_PROCESS_TESTS)) $(PYTEST_ARGS)
-	$(PY) -m pytest -q $(IN_PROCESS_TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 # The main job: DeepFM on synthetic data with GBA, 1 PS + 4 worker processes on 127.0.0.1, under
 # transient stragglers (every step 4x slower with p=0.2) plus worker 0 persistently 2x slower.

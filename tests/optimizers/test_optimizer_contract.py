@@ -65,7 +65,7 @@ class Case:
 
 # In-process strategies first: a parameter-server case connects this process to its cluster for
 # good (TensorFlow cannot disconnect), and MirroredStrategy's collectives then hang. For the same
-# reason this file runs in a process of its own (the Makefile's IN_PROCESS_TESTS).
+# reason every test module runs in a process of its own (tests/module_process.py).
 CASES = [
     Case("DTS", lambda: DTS(keras.optimizers.SGD(0.1, momentum=0.9), delay=2, period=2),
          _mirrored, needs="MirroredStrategy", parameter_server=False,
