@@ -13,9 +13,14 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 import tf_gba  # noqa: E402,F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 
 # One process per test module (why: module_process.py's docstring).
-from module_process import (  # noqa: E402,F401  pylint: disable=g-bad-import-order
-    pytest_addoption, pytest_collection_modifyitems, pytest_configure, pytest_runtest_logreport,
-    pytest_runtest_protocol)
+try:
+  from module_process import (  # noqa: E402,F401  pylint: disable=g-bad-import-order
+      pytest_addoption, pytest_collection_modifyitems, pytest_configure,
+      pytest_runtest_logreport, pytest_runtest_protocol)
+except ModuleNotFoundError:  # loaded as a plugin (`-p tests.conftest`), not as tests/' conftest
+  from tests.module_process import (  # noqa: E402,F401  pylint: disable=g-bad-import-order
+      pytest_addoption, pytest_collection_modifyitems, pytest_configure,
+      pytest_runtest_logreport, pytest_runtest_protocol)
 
 
 def pytest_unconfigure(config):
