@@ -80,6 +80,12 @@ def test_every_mode_trains_the_same_examples_and_evaluates_on_the_next_day(bench
     if r["mode"] != "sync" and saved["args"]["input"] == "shared":
       # The shared data list: one pass over the day, every train row once.
       assert r["examples"] == p["train_rows"], r
+    elif r["mode"] == "sync" and saved["args"]["input"] == "shared":
+      # The same pass in whole global steps: at most num_workers - 1 local batches more.
+      batch, workers = saved["args"]["local_batch_size"], saved["args"]["num_workers"]
+      assert r["examples"] == p["pass_steps"] * batch, r
+      assert p["pass_steps"] % workers == 0
+      assert 0 <= r["examples"] - p["train_rows"] < workers * batch, r
     else:
       assert r["examples"] == p["steps_per_day"] * saved["args"]["local_batch_size"], r
     assert r["eval_day"] == r["day"] + 1
