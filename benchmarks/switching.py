@@ -842,8 +842,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   except ValueError as e:  # a bad flag or data spec: the message says which
     sys.exit(f"benchmarks.switching: {e}")
   modes, seeds = args.modes_list, list(range(args.seeds))
+  day = (f"one pass over each day's {protocol.train_rows:,} train rows (sync: "
+         f"{protocol.pass_steps} local batches; modes without the data list: "
+         f"{protocol.steps_per_day} worker steps)" if _one_pass_days(args) else
+         f"{protocol.steps_per_day} worker steps per day")
   print(f"switching benchmark: {args.data}, days {protocol.num_days}, modes {modes}, seeds "
-        f"{seeds}, {protocol.steps_per_day} worker steps per day", flush=True)
+        f"{seeds}, {day}", flush=True)
   runner = Runner(args, protocol)
   for seed in seeds:
     runner.seed(seed, modes)
