@@ -26,6 +26,12 @@ import tempfile
 import pytest
 
 _TAIL_CHARS = 6000
+_MODULES = pytest.StashKey()  # parent: {module path: selected node ids}, in collection order
+_REPORTS = pytest.StashKey()  # parent: {module path: {node id: [reports]}}, the current module
+_OUTCOME = object()           # key of a module's (exit code, output tail) among its reports
+# A child's report file and config; the logreport hook that writes to them gets no config.
+_CHILD_REPORTS_PATH = [None]
+_CHILD_CONFIG = [None]
 
 
 def pytest_addoption(parser):
@@ -58,10 +64,6 @@ def pytest_collection_modifyitems(session, config, items):
     by_module.setdefault(_module_of(item), []).append(item.nodeid)
   config.stash[_MODULES] = by_module
   config.stash[_REPORTS] = {}
-
-
-_MODULES = pytest.StashKey()
-_REPORTS = pytest.StashKey()
 
 
 def _module_of(item):
@@ -106,10 +108,6 @@ def pytest_runtest_logreport(report):
     f.write(json.dumps(data) + "\n")
 
 
-_CHILD_REPORTS_PATH = [None]
-_CHILD_CONFIG = [None]
-
-
 def pytest_configure(config):
   if _is_child(config):
     _CHILD_REPORTS_PATH[0] = config.getoption("--tf-gba-child-reports")
@@ -145,9 +143,6 @@ def _run_module(config, module, nodeids):
   by_nodeid = dict(by_nodeid)
   by_nodeid[_OUTCOME] = (returncode, tail)
   return by_nodeid
-
-
-_OUTCOME = object()
 
 
 def _lost_report(item, module_reports, replayed):
