@@ -29,9 +29,6 @@ _TAIL_CHARS = 6000
 _MODULES = pytest.StashKey()  # parent: {module path: selected node ids}, in collection order
 _REPORTS = pytest.StashKey()  # parent: {module path: {node id: [reports]}}, the current module
 _OUTCOME = object()           # key of a module's (exit code, output tail) among its reports
-# A child's report file and config; the logreport hook that writes to them gets no config.
-_CHILD_REPORTS_PATH = [None]
-_CHILD_CONFIG = [None]
 
 
 def pytest_addoption(parser):
@@ -97,21 +94,23 @@ def pytest_runtest_protocol(item, nextitem):
   return True
 
 
-def pytest_runtest_logreport(report):
-  """In a child: every report goes to the parent's file as it is made."""
-  path = _CHILD_REPORTS_PATH[0]
-  if path is None:
-    return
-  data = _CHILD_CONFIG[0].hook.pytest_report_to_serializable(config=_CHILD_CONFIG[0],
-                                                               report=report)
-  with open(path, "a", encoding="utf-8") as f:
-    f.write(json.dumps(data) + "\n")
+class _ReportWriter:
+  """In a child: every report goes to the parent's file as it is made (a crash keeps the ones
+  before it)."""
+
+  def __init__(self, config):
+    self._config = config
+    self._path = config.getoption("--tf-gba-child-reports")
+
+  def pytest_runtest_logreport(self, report):
+    data = self._config.hook.pytest_report_to_serializable(config=self._config, report=report)
+    with open(self._path, "a", encoding="utf-8") as f:
+      f.write(json.dumps(data) + "\n")
 
 
 def pytest_configure(config):
   if _is_child(config):
-    _CHILD_REPORTS_PATH[0] = config.getoption("--tf-gba-child-reports")
-    _CHILD_CONFIG[0] = config
+    config.pluginmanager.register(_ReportWriter(config), "tf_gba_report_writer")
 
 
 def _run_module(config, module, nodeids):
