@@ -3,7 +3,8 @@
   python -m benchmarks.mode_qps [--modes=sync,gba,async,bsp,hop_bs,hop_bw]
                                 [--stragglers=transient,dedicated] [--steps=1500] [--repeats=1]
                                 [--num_workers=4] [--local_batch_size=256]
-                                [--inputs=shared] [--out=runs/bench_mode_qps]
+                                [--inputs=shared] [--straggler_delay=after_push]
+                                [--out=runs/bench_mode_qps]
 
 Each configuration is a fresh run of examples/train.py (DeepFM, synthetic data, 4 workers on
 127.0.0.1; 1 PS in the parameter-server modes) in its own process; configurations are
@@ -68,12 +69,30 @@ def ps_limit_qps(profile: str, num_workers: int, local_batch_size: int) -> Optio
   return sum(local_batch_size / (floor_s * x) for x in factors)
 
 
+def flags_for(mode: str, extra) -> list:
+  """Of the extra binary flags (`--name=value`, `--noname`), those `mode` reads: a mode-specific
+  flag of another mode (`--bsp_aggregate` for sync) would make the binary refuse the run."""
+  reads, specific = mode_registry.get(mode).flags, mode_registry.mode_flags()
+  out = []
+  for arg in extra:
+    name = arg.lstrip("-").partition("=")[0]
+    if name not in specific and name.startswith("no") and name[2:] in specific:
+      name = name[2:]
+    if name not in specific or name in reads:
+      out.append(arg)
+  return out
+
+
 def run_one(mode: str, profile: str, steps: int, model_dir: str, extra, num_workers: int = 4,
-            local_batch_size: int = 256, input_mode: str = "shared") -> dict:
+            local_batch_size: int = 256, input_mode: str = "shared",
+            straggler_delay: str = "after_push") -> dict:
   binary_mode = "async" if mode.startswith("async") else mode
-  # The binary refuses flags a mode does not read: the input only where the mode has one.
+  # The binary refuses flags a mode does not read: the input and the straggler placement only
+  # where the mode has them.
+  reads = mode_registry.get(binary_mode).flags
   flags = [f"--mode={binary_mode}"] + ([f"--input={input_mode}"] if mode_registry.reads_input(binary_mode)
-                                       else []) + [
+                                       else []) + (
+      [f"--straggler_delay={straggler_delay}"] if "straggler_delay" in reads else []) + [
            f"--stragglers={PROFILES.get(profile, profile)}", f"--steps={steps}",
            "--log_every=250", f"--model_dir={model_dir}", "--num_ps=1",
            f"--num_workers={num_workers}", f"--local_batch_size={local_batch_size}",
@@ -81,7 +100,7 @@ def run_one(mode: str, profile: str, steps: int, model_dir: str, extra, num_work
   if mode == "async_plain":
     flags.append("--noasync_staleness_stats")
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train.py"), *flags,
-                         *extra], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+                         *flags_for(binary_mode, extra)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
   if proc.returncode != 0:
     raise RuntimeError(f"{mode}/{profile} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
   with open(os.path.join(model_dir, "summary.json")) as f:
@@ -99,6 +118,9 @@ def main(argv=None):
   p.add_argument("--local_batch_size", type=int, default=256)
   p.add_argument("--inputs", default="shared",
                  help="comma-separated inputs of the parameter-server modes: shared, sharded")
+  p.add_argument("--straggler_delay", default="after_push", choices=["after_push", "before_push"],
+                 help="parameter-server modes: where a straggler sleeps (before_push: a slow "
+                      "machine's gradients arrive late and stale)")
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_mode_qps"))
   args, extra = p.parse_known_args(argv)
   inputs = args.inputs.split(",")
@@ -117,14 +139,15 @@ def main(argv=None):
                                  f"{profile.replace(':', '_')}_{rep}")
         subprocess.run(["rm", "-rf", model_dir], check=True)
         summary = run_one(name, profile, args.steps, model_dir, extra, args.num_workers,
-                          args.local_batch_size, input_mode or inputs[0])
+                          args.local_batch_size, input_mode or inputs[0], args.straggler_delay)
         results[(mode, profile)].append(summary)
         print(f"  {mode:12s} {profile:10s} rep {rep}: QPS {summary['global_qps']:,.0f}  "
               f"AUC {summary['eval_auc']:.4f}  staleness {summary['mean_staleness']:.2f}",
               flush=True)
   table = []
   load = os.getloadavg()
-  print(f"\n{args.num_workers} workers, local batch {args.local_batch_size}; load average "
+  print(f"\n{args.num_workers} workers, local batch {args.local_batch_size}, straggler delay "
+        f"{args.straggler_delay}; load average "
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
   print("\n| stragglers | mode | global QPS (mean over repeats) | PS limit | vs limit | vs sync | "
         "vs async | vs gba | per-worker QPS | mean / max staleness | dropped batches | "

@@ -280,7 +280,7 @@ def run_config(args: argparse.Namespace, protocol: Protocol, mode: str, seed: in
       num_ps=1, num_workers=num_workers, local_batch_size=local_batch,
       learning_rate=args.learning_rate, staleness_threshold=args.staleness_threshold,
       stragglers=PROFILES.get(args.stragglers, args.stragglers), straggler_seed=seed, seed=seed,
-      steps=steps, log_every=log_every, eval_examples=protocol.eval_examples, day=day,
+      straggler_delay=getattr(args, "straggler_delay", "after_push"), steps=steps, log_every=log_every, eval_examples=protocol.eval_examples, day=day,
       eval_day=eval_day if protocol.next_day else None, model_dir=model_dir, **extra)
 
 
@@ -618,7 +618,8 @@ def markdown(results: dict) -> str:
       f"evaluated on {eval_what} ({p['eval_examples']:,} examples at most).",
       f"Every run: {a['model']}, 1 PS (parameter-server modes), {a['num_workers']} workers, local "
       f"batch {a['local_batch_size']}, Adam lr {a['learning_rate']:g}, iota "
-      f"{a['staleness_threshold']}, stragglers `{results['stragglers']}`, input "
+      f"{a['staleness_threshold']}, stragglers `{results['stragglers']}` (slowdown "
+      f"{a.get('straggler_delay', 'after_push').replace('_', ' ')} in the parameter-server modes), input "
       f"`{a.get('input', 'sharded')}`, "
       f"{p['steps_per_day']} worker steps per day ({p['steps_per_day'] * a['local_batch_size']:,}"
       f" examples; a day has {p['train_rows']:,} train rows"
@@ -766,6 +767,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--modes", default=",".join(ALL_MODES))
   p.add_argument("--stragglers", default="transient",
                  help=f"names {sorted(PROFILES)} or a profile string, applied to every run")
+  p.add_argument("--straggler_delay", default="after_push", choices=["after_push", "before_push"],
+                 help="parameter-server modes: where a straggler sleeps (before_push: a slow "
+                      "machine's gradients arrive late and stale)")
   p.add_argument("--steps_per_day", type=int, default=0,
                  help="worker steps per run (0: one pass over a day's train rows); rounded up "
                       f"to a multiple of {INTERVALS} x num_workers")
@@ -856,6 +860,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
       "args": {k: v for k, v in vars(args).items() if k != "modes_list"},
       "modes": modes, "seeds": seeds,
       "stragglers": PROFILES.get(args.stragglers, args.stragglers),
+      "straggler_delay": args.straggler_delay,
       "protocol": dataclasses.asdict(protocol),
       "tables": build_tables(records, modes, seeds, protocol),
       "runs": records,

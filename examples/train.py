@@ -57,6 +57,11 @@ def define_flags() -> None:
                       "none | persistent:<f>[@w,..] | transient:<p>:<f> | trace:<file.json>, "
                       "joined by '+'.")
   flags.DEFINE_integer("straggler_seed", 0, "Seed of transient slowdowns.")
+  flags.DEFINE_enum("straggler_delay", "after_push", ["after_push", "before_push"],
+                    "Parameter-server modes: where a straggler sleeps its slowdown: at the end of "
+                    "the step, after its gradient was pushed (a worker slow to take its next "
+                    "batch), or between the gradient and its push (a slow machine: its gradient "
+                    "arrives late and stale).")
   flags.DEFINE_integer("steps", None, "Worker steps (local batches) to train, over all workers. "
                        "Unset: one pass over the day's train rows with --input=shared (the run "
                        "ends when the day is consumed), 2000 otherwise.")

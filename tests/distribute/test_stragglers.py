@@ -115,3 +115,76 @@ def test_persistent_straggler_runs_a_third_as_many_steps_async():
   for w in fast:
     assert w["delay_seconds"] == pytest.approx(floor_s * w["steps"] - w["busy_seconds"],
                                                rel=0.02)
+
+
+def _placement_run(placement: str, optimizer_fn, steps: int = 48, floor_s: float = 0.1,
+                   slow: float = 4.0):
+  """GBA (M = 3) on a real 3-worker cluster, worker 0 `slow`x slower, the delay at `placement`.
+
+  Returns (optimizer stats, worker step stats).
+  """
+  with LocalCluster(num_ps=1, num_workers=3) as cluster:
+    strategy = GBAStrategy(cluster.resolver(), mode="gba", num_aggregate=3,
+                           stragglers=f"compute:{floor_s * 1000:g}+persistent:{slow:g}@0",
+                           straggler_delay=placement)
+    with strategy.scope():
+      inp = keras.Input((3,), dtype=tf.int64)
+      x = keras.layers.Flatten()(keras.layers.Embedding(1000, 8)(inp))
+      model = keras.Model(inp, keras.layers.Dense(1, activation="sigmoid")(x))
+      optimizer = optimizer_fn()
+      model.compile(optimizer, loss="binary_crossentropy")
+
+    def dataset_fn(_):
+      ids = np.random.default_rng(0).integers(0, 1000, (4096, 3))
+      y = (ids.sum(1) % 2).astype(np.float32)
+      return tf.data.Dataset.from_tensor_slices((ids, y)).repeat().batch(64)
+
+    model.fit(keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
+              steps_per_epoch=steps, verbose=0)
+    return optimizer.stats(), strategy.worker_step_stats()
+
+
+@pytest.mark.parametrize("placement", ["after_push", "before_push"])
+def test_a_slow_machines_gradients_are_stale_only_when_it_sleeps_before_the_push(placement):
+  """Where the straggler sleeps decides whether its gradients are stale (real servers).
+
+  Reference: worker 0 takes 4 floors per step, workers 1 and 2 one floor. Before the push, the
+  two fast workers push 2 x 4 = 8 gradients while worker 0 computes and sleeps, 8 / M = 2.7
+  global steps: each of worker 0's gradients is at least 2 steps stale, and a fast worker's
+  (one floor, during which at most 2 other gradients arrive: < one global step) at most 1.
+  After the push, every gradient is pushed a few milliseconds after its token: none is 2 stale.
+  The delay accounting is the same in both: each step padded to its floor, then stretched.
+  """
+  from tf_gba.optimizers import GBA  # pylint: disable=g-import-not-at-top
+  floor_s = 0.1
+  stats, workers = _placement_run(
+      placement, lambda: GBA(keras.optimizers.Adam(0.01), num_aggregate=3), steps=60,
+      floor_s=floor_s)
+  dense = stats["dense"]
+  histogram = np.asarray(dense["histogram"])
+  stale = int(histogram[2:].sum())
+  slow_steps = workers[0]["steps"]
+  assert sum(w["steps"] for w in workers) == int(histogram.sum()) == 60, (workers, dense)
+  if placement == "before_push":
+    # Each slow step's gradient; the first may be fresher (the others are still tracing).
+    # Every slow step's gradient but the first and the last: while the first is computed the
+    # others are still starting; during the last, the others have run out of steps to push.
+    assert slow_steps >= 6 and slow_steps - 2 <= stale <= slow_steps, (slow_steps, histogram)
+  else:
+    assert stale == 0, (slow_steps, histogram)
+  assert workers[0]["delay_seconds"] == pytest.approx(
+      4 * floor_s * slow_steps - workers[0]["busy_seconds"], rel=0.03)
+  for w in workers[1:]:
+    assert w["delay_seconds"] == pytest.approx(floor_s * w["steps"] - w["busy_seconds"],
+                                               rel=0.03)
+
+
+def test_before_push_without_the_gba_optimizer_is_refused():
+  """A bare Keras optimizer has no push to delay: a clear error, not a delay moved to the end."""
+  with pytest.raises(ValueError, match="before_push.*needs the GBA optimizer"):
+    _placement_run("before_push", lambda: keras.optimizers.Adam(0.01), steps=3)
+
+
+def test_an_unknown_placement_is_refused():
+  with pytest.raises(ValueError, match="--straggler_delay must be one of after_push, before_push"):
+    stragglers.check_placement("middle")

@@ -22,3 +22,15 @@ def test_ps_limit_multiplies_factors_and_ignores_absent_workers():
 def test_no_limit_without_a_compute_floor():
   assert mode_qps.ps_limit_qps("transient", 8, 256) is None
   assert mode_qps.ps_limit_qps("none", 4, 256) is None
+
+
+def test_extra_flags_go_only_to_the_modes_that_read_them():
+  extra = ["--bsp_aggregate=2", "--hop_bw_backup=2", "--straggler_delay=before_push",
+           "--noasync_staleness_stats", "--learning_rate=0.01"]
+  # Sync reads none of the parameter-server modes' flags; the common ones pass.
+  assert mode_qps.flags_for("sync", extra) == ["--learning_rate=0.01"]
+  assert mode_qps.flags_for("bsp", extra) == ["--bsp_aggregate=2", "--straggler_delay=before_push",
+                                              "--learning_rate=0.01"]
+  assert mode_qps.flags_for("async", extra) == ["--straggler_delay=before_push",
+                                                "--noasync_staleness_stats",
+                                                "--learning_rate=0.01"]

@@ -9,7 +9,7 @@ for the duration of the trace. Optimizers read them in `apply_gradients`. Outsid
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import tensorflow as tf
 
@@ -25,6 +25,10 @@ class StepInfo:
   # buffers its push completed (int64 scalar, after their updates). Hop-BW's barrier reads it.
   completed: Optional[tf.Tensor] = None
   num_buffers: int = 0
+  # A straggler delay placed before the push (`--straggler_delay=before_push`): the optimizer
+  # calls it with the step's gradients, before it pushes any, and orders every push after the
+  # op it returns (the sleep). None: the strategy delays at the end of the step.
+  delay_before_push: Optional[Callable[[List[Any]], tf.Tensor]] = None
 
 
 _local = threading.local()

@@ -11,8 +11,17 @@ A profile is chosen by a string (the training binary's `--stragglers` flag):
   transient:0.1:3+persistent:2@1   several at once; factors multiply
   compute:40+transient:0.2:4       every step takes at least 40 ms (before its slowdown)
 
-A slowdown of s sleeps (s - 1) x the step's own measured time at the end of the step, on the
-worker itself (`GBA>StepEnd`), so the rest of the job sees exactly what a slow machine causes.
+A slowdown of s sleeps (s - 1) x the step's own measured time on the worker itself
+(`GBA>StepEnd`). Where the step sleeps is the placement (`DELAY_PLACEMENTS`, the binary's
+`--straggler_delay`):
+
+  after_push    at the end of the step, after its gradient was pushed: the worker is slow to
+                take its next batch (a slow input reader, a busy host between steps). Its
+                gradients arrive on time, so they are no staler than a fast worker's.
+  before_push   between computing the gradient and pushing it: a slow machine, whose gradient
+                arrives late and was computed on parameters that others have moved on since, so
+                it is stale. Needs the GBA optimizer's push (`tf_gba.optimizers.GBA`).
+
 Transient draws hash (seed, worker, step): the same seed gives the same slow steps.
 
 `compute:<ms>` emulates workers on machines of their own: a step whose own compute took less than
@@ -31,6 +40,18 @@ import tensorflow as tf
 from tf_gba.ops import loader
 
 WORKER_DEVICE = "/job:worker/replica:0/task:{}/device:CPU:0"
+
+AFTER_PUSH = "after_push"
+BEFORE_PUSH = "before_push"
+DELAY_PLACEMENTS = (AFTER_PUSH, BEFORE_PUSH)
+
+
+def check_placement(placement: str) -> str:
+  """`placement` if it is one of `DELAY_PLACEMENTS`; else ValueError naming the flag."""
+  if placement not in DELAY_PLACEMENTS:
+    raise ValueError(f"--straggler_delay must be one of {', '.join(DELAY_PLACEMENTS)}, got "
+                     f"{placement!r}.")
+  return placement
 
 
 def _factor(text: str, what: str) -> float:

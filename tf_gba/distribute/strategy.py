@@ -56,6 +56,9 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     stragglers: a straggler profile (see `tf_gba.distribute.stragglers`), applied as real delays
       inside each worker's step; "none" by default.
     straggler_seed: seed of the transient slowdowns.
+    straggler_delay: where a step sleeps its slowdown: "after_push" (default: at its end) or
+      "before_push" (between the gradient and its push: a slow machine's gradient is stale);
+      see `tf_gba.distribute.stragglers`.
     bsp_aggregate: b2, gradients per step in "bsp" mode; default max(1, round(N / 5)).
     hop_bs_bound: b1 of "hop_bs": how many steps a worker may be ahead of the slowest one.
     hop_bs_timeout_s: "hop_bs": None (default) blocks without a time limit; else a worker
@@ -73,7 +76,8 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
                straggler_seed: int = 0, bsp_aggregate: Optional[int] = None,
                hop_bs_bound: int = modes_lib.DEFAULT_HOP_BS_BOUND,
                hop_bs_timeout_s: Optional[float] = None,
-               hop_bw_backup: Optional[int] = None):
+               hop_bw_backup: Optional[int] = None,
+               straggler_delay: str = stragglers_lib.AFTER_PUSH):
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
     if num_aggregate is not None and num_aggregate < 1:
@@ -86,6 +90,7 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
                                hop_bw_backup)
     self._gba_stragglers = stragglers_lib.parse(stragglers)
     self._gba_straggler_seed = int(straggler_seed)
+    self._gba_straggler_delay = stragglers_lib.check_placement(straggler_delay)
     super().__init__(cluster_resolver, variable_partitioner)
     self._gba_mode = mode
     self._gba_num_workers = num_workers
@@ -283,6 +288,17 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     reads = {name: fn() for name, fn in self._gba_pre_step_readers.items()}
     return step_context.StepInfo(token=token, ticket=ticket, reads=reads, skip=skip)
 
+  def _delay_before_push(self, start, grads, delayed: list) -> tf.Tensor:
+    """The step's straggler delay once `grads` are computed (`StepInfo.delay_before_push`)."""
+    if delayed:
+      return delayed[0]  # one delay per step, whichever call made it
+    computed = [t for g in grads if g is not None
+                for t in ([g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g])]
+    with tf.control_dependencies(computed):
+      delayed.append(stragglers_lib.timed_step_end(start, self._gba_stragglers,
+                                                   self._gba_straggler_seed))
+    return delayed[0]
+
   def hop_bs_stats(self) -> Optional[dict]:
     """Hop-BS: per worker blocked seconds, waits and timeouts, and the largest lead seen."""
     if self._gba_mode != "hop_bs" or self._gba_worker_clock is None:
@@ -326,7 +342,8 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     """Like `ParameterServerStrategy.run`, with the token taken before `fn` reads parameters.
 
     The step is also timed on its worker, which counts it and, under a straggler profile,
-    stretches it by the profile's factor before it returns.
+    stretches it by the profile's factor: before it returns, or with `straggler_delay=
+    "before_push"` between its gradients and their push (the GBA optimizer calls the delay).
     """
 
     hop_bs = self._gba_mode == "hop_bs"
@@ -357,6 +374,9 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
       started = barrier if start is None else [start]
       with tf.control_dependencies(started):
         info = self._begin_step(version, skip)
+      delayed = []
+      if start is not None and self._gba_straggler_delay == stragglers_lib.BEFORE_PUSH:
+        info.delay_before_push = lambda grads: self._delay_before_push(start, grads, delayed)
       deps = [t for t in tf.nest.flatten([info.token, info.reads]) if t is not None] + started
       with step_context.scope(info), tf.control_dependencies(deps):
         try:
@@ -365,10 +385,19 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
           if "tf.keras.losses.Reduction.SUM" not in str(e):
             raise
           raise ValueError(LOSS_REDUCTION_HINT) from None
+      if info.delay_before_push is not None and not delayed:
+        # Delaying at the end instead would make the slow machine's gradients fresh again.
+        raise ValueError(
+            "straggler_delay='before_push' needs the GBA optimizer (tf_gba.optimizers.GBA) to "
+            "push the step's gradients: it sleeps the straggler delay before the push. Use "
+            "straggler_delay='after_push' with another optimizer.")
       done = [t for t in tf.nest.flatten(outputs) if isinstance(t, tf.Tensor)]
       with tf.control_dependencies(done):
-        delay = stragglers_lib.timed_step_end(start, self._gba_stragglers,
-                                              self._gba_straggler_seed)
+        if delayed:
+          delay = tf.identity(delayed[0])
+        else:
+          delay = stragglers_lib.timed_step_end(start, self._gba_stragglers,
+                                                self._gba_straggler_seed)
       if hop_bs:
         # Finished (straggler delay included): the slowest worker's count moves the barrier.
         with tf.control_dependencies([delay]):

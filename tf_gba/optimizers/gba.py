@@ -57,6 +57,17 @@ class _GBAState(tf.Module):
   """Checkpointed GBA state: buffers (step, row tags) and the token count."""
 
 
+def _after(deps: List[tf.Tensor], grad):
+  """`grad` (a tensor or IndexedSlices) read only once `deps` have run; `grad` if none."""
+  if not deps:
+    return grad
+  with tf.control_dependencies(deps):
+    if isinstance(grad, tf.IndexedSlices):
+      return tf.IndexedSlices(tf.identity(grad.values), tf.identity(grad.indices),
+                              grad.dense_shape)
+    return tf.identity(grad)
+
+
 def _track(state: _GBAState, name: str, resource) -> None:
   # Tracking may restore the resource right away (a checkpoint restored before it existed).
   # That restore runs as a function on the current default device; run it on the resource's own
@@ -312,9 +323,14 @@ class GBA(wrapping.InnerOptimizerDelegation, keras.optimizers.Optimizer):
         token, ticket = self._token_source().fetch()
       self._inner._compute_current_learning_rate()  # pylint: disable=protected-access
       skip = info.skip if info is not None else None
+      # A slow machine's delay (`--straggler_delay=before_push`): after the gradients, before
+      # any push, so the gradients arrive late and stale.
+      slept = ([info.delay_before_push([g for g, _ in grads_and_vars])]
+               if info is not None and info.delay_before_push is not None else [])
       leader_ready = None
       readies = []
       for grad, var in grads_and_vars:
+        grad = _after(slept, grad)
         if skip is None:
           ready = self._push_and_maybe_apply(token, ticket, grad, var)
         else:

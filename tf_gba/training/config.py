@@ -39,6 +39,9 @@ class TrainConfig:
   sparse_normalize: str = "num_aggregate"
   stragglers: str = "none"
   straggler_seed: int = 0
+  # Where a straggler sleeps in the parameter-server modes' step: after its push (its gradient
+  # arrives on time) or before it (a slow machine: late, stale gradients).
+  straggler_delay: str = "after_push"
   # Worker steps (local batches over all workers). None: one pass over the day's train rows with
   # the shared data list; DEFAULT_STEPS with static shards and in the all-reduce modes.
   steps: Optional[int] = None
@@ -208,6 +211,12 @@ class TrainConfig:
     modes_lib.check_parameters(self.mode, self.num_workers, self.bsp_aggregate, self.hop_bs_bound,
                                self.hop_bs_timeout_s, self.hop_bw_backup, prefix="--")
     stragglers_lib.parse(self.stragglers)  # raises with a message on a bad profile
+    stragglers_lib.check_placement(self.straggler_delay)
+    if (self.straggler_delay == stragglers_lib.BEFORE_PUSH and self.mode == "async"
+        and not self.async_staleness_stats):
+      raise ValueError("--straggler_delay=before_push sleeps between the gradient and the GBA "
+                       "buffer's push, which --noasync_staleness_stats (the bare optimizer) does "
+                       "not have: drop one of the two.")
     self.data_kwargs()
 
   @property

@@ -55,7 +55,8 @@ def make_strategy(config: TrainConfig, resolver) -> GBAStrategy:
                      stragglers=config.stragglers, straggler_seed=config.straggler_seed,
                      bsp_aggregate=config.bsp_aggregate, hop_bs_bound=config.hop_bs_bound,
                      hop_bs_timeout_s=config.hop_bs_timeout_s,
-                     hop_bw_backup=config.hop_bw_backup)
+                     hop_bw_backup=config.hop_bw_backup,
+                     straggler_delay=config.straggler_delay)
 
 
 @contextlib.contextmanager
@@ -414,7 +415,9 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     _log(f"tf_gba: mode={config.mode} model={config.model} data={config.data} "
          f"ps={strategy.num_ps} workers={strategy.num_workers} M={config.num_aggregate} "
          f"local batch={config.local_batch_size} global batch={config.global_batch} "
-         f"stragglers={config.stragglers} input={config.input}"
+         f"stragglers={config.stragglers}"
+         + (f" (delay {config.straggler_delay})" if config.stragglers != "none" else "")
+         + f" input={config.input}"
          + (f" ({shared.num_batches} batches in the list, "
             + ("one pass)" if shared.day_mode else f"{shared.list.passes} pass(es))")
             if shared else "")
@@ -641,7 +644,7 @@ def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, s
       num_ps=strategy.num_ps, num_workers=strategy.num_workers,
       num_aggregate=config.num_aggregate, local_batch_size=config.local_batch_size,
       global_batch_size=config.global_batch, stragglers=config.stragglers,
-      sparse_normalize=config.sparse_normalize,
+      straggler_delay=config.straggler_delay, sparse_normalize=config.sparse_normalize,
       steps=steps_run, examples=steps_run * config.local_batch_size,
       wall_seconds=total_wall,
       global_qps=steps_measured * config.local_batch_size / wall,

@@ -19,6 +19,8 @@ SCHEMA = {
     "mode": None, "model": None, "data": None, "num_ps": 0, "num_workers": None,
     "num_aggregate": None, "local_batch_size": None, "global_batch_size": None,
     "stragglers": "none",
+    # Where the parameter-server modes' stragglers sleep (the others': at the end of the step).
+    "straggler_delay": "after_push",
     # The all-reduce modes divide every gradient, embedding rows included, by N.
     "sparse_normalize": "num_aggregate",
     "steps": None, "examples": None, "wall_seconds": None, "global_qps": None,
