@@ -84,15 +84,12 @@ def flags_for(mode: str, extra) -> list:
 
 
 def run_one(mode: str, profile: str, steps: int, model_dir: str, extra, num_workers: int = 4,
-            local_batch_size: int = 256, input_mode: str = "shared",
-            straggler_delay: str = "after_push") -> dict:
+            local_batch_size: int = 256, input_mode: str = "shared") -> dict:
   binary_mode = "async" if mode.startswith("async") else mode
-  # The binary refuses flags a mode does not read: the input and the straggler placement only
-  # where the mode has them.
-  reads = mode_registry.get(binary_mode).flags
+  # The binary refuses flags a mode does not read: the input only where the mode has one (the
+  # extra flags are filtered the same way, `flags_for`).
   flags = [f"--mode={binary_mode}"] + ([f"--input={input_mode}"] if mode_registry.reads_input(binary_mode)
-                                       else []) + (
-      [f"--straggler_delay={straggler_delay}"] if "straggler_delay" in reads else []) + [
+                                       else []) + [
            f"--stragglers={PROFILES.get(profile, profile)}", f"--steps={steps}",
            "--log_every=250", f"--model_dir={model_dir}", "--num_ps=1",
            f"--num_workers={num_workers}", f"--local_batch_size={local_batch_size}",
@@ -100,7 +97,8 @@ def run_one(mode: str, profile: str, steps: int, model_dir: str, extra, num_work
   if mode == "async_plain":
     flags.append("--noasync_staleness_stats")
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train.py"), *flags,
-                         *flags_for(binary_mode, extra)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+                         *flags_for(binary_mode, extra)], cwd=ROOT, capture_output=True,
+                        text=True, timeout=1200)
   if proc.returncode != 0:
     raise RuntimeError(f"{mode}/{profile} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
   with open(os.path.join(model_dir, "summary.json")) as f:
@@ -123,6 +121,8 @@ def main(argv=None):
                       "machine's gradients arrive late and stale)")
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_mode_qps"))
   args, extra = p.parse_known_args(argv)
+  # Passed on like any extra flag: flags_for gives it to the modes that read it.
+  extra = [*extra, f"--straggler_delay={args.straggler_delay}"]
   inputs = args.inputs.split(",")
   # A mode per input ("gba/sharded") when several inputs are compared; sync has its own input.
   def has_input(m):
@@ -139,7 +139,7 @@ def main(argv=None):
                                  f"{profile.replace(':', '_')}_{rep}")
         subprocess.run(["rm", "-rf", model_dir], check=True)
         summary = run_one(name, profile, args.steps, model_dir, extra, args.num_workers,
-                          args.local_batch_size, input_mode or inputs[0], args.straggler_delay)
+                          args.local_batch_size, input_mode or inputs[0])
         results[(mode, profile)].append(summary)
         print(f"  {mode:12s} {profile:10s} rep {rep}: QPS {summary['global_qps']:,.0f}  "
               f"AUC {summary['eval_auc']:.4f}  staleness {summary['mean_staleness']:.2f}",

@@ -280,7 +280,8 @@ def run_config(args: argparse.Namespace, protocol: Protocol, mode: str, seed: in
       num_ps=1, num_workers=num_workers, local_batch_size=local_batch,
       learning_rate=args.learning_rate, staleness_threshold=args.staleness_threshold,
       stragglers=PROFILES.get(args.stragglers, args.stragglers), straggler_seed=seed, seed=seed,
-      straggler_delay=getattr(args, "straggler_delay", "after_push"), steps=steps, log_every=log_every, eval_examples=protocol.eval_examples, day=day,
+      straggler_delay=getattr(args, "straggler_delay", "after_push"), steps=steps,
+      log_every=log_every, eval_examples=protocol.eval_examples, day=day,
       eval_day=eval_day if protocol.next_day else None, model_dir=model_dir, **extra)
 
 

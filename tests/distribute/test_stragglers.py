@@ -166,7 +166,6 @@ def test_a_slow_machines_gradients_are_stale_only_when_it_sleeps_before_the_push
   slow_steps = workers[0]["steps"]
   assert sum(w["steps"] for w in workers) == int(histogram.sum()) == 60, (workers, dense)
   if placement == "before_push":
-    # Each slow step's gradient; the first may be fresher (the others are still tracing).
     # Every slow step's gradient but the first and the last: while the first is computed the
     # others are still starting; during the last, the others have run out of steps to push.
     assert slow_steps >= 6 and slow_steps - 2 <= stale <= slow_steps, (slow_steps, histogram)
