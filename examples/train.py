@@ -328,7 +328,7 @@ def _entry(argv):
     if _debug():
       raise
     _fail(str(e))
-  except recovery.ParameterServerLost as e:
+  except recovery.JobLost as e:
     if _debug():
       raise
     print(f"train.py: {e}", file=sys.stderr, flush=True)

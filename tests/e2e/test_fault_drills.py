@@ -9,6 +9,7 @@ undisturbed run. Every drill runs under a time limit: a hang fails it.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -53,8 +54,14 @@ class _Run:
       lines.append(line)
 
   def wait_for(self, text, deadline):
+    """Until a stdout line contains `text`, or, for "step N/", a progress line of step >= N
+    (the replicated modes print the step count a line finds, not a multiple of --log_every)."""
+    step = re.fullmatch(r"step (\d+)/", text)
     while time.time() < deadline:
       if any(text in line for line in self.out):
+        return
+      if step and any(int(m.group(1)) >= int(step.group(1)) for m in
+                      (re.match(r"step (\d+)/", line) for line in self.out) if m):
         return
       if self.proc.poll() is not None:
         break
@@ -236,6 +243,32 @@ def test_killed_coordinator_resumes_when_the_command_is_rerun(tmp_path, tmp_path
 
   _, summary = _resumed_run(mode, model_dir, deadline, kill_coordinator)
   _check_finished(summary, mode, reference)
+
+
+@pytest.mark.parametrize("mode,job", [("shadow_ma", "worker"), ("asgd_nodelay", "ps")])
+def test_replicated_modes_resume_from_the_last_checkpoint_after_a_lost_server(
+    tmp_path, tmp_path_factory, mode, job):
+  """ShadowSync and ASGD without gradient delay: a worker holds a dense replica no other process
+  has, a parameter server the embeddings and the synchronisers' model. Either death restarts
+  the job, which resumes from the last periodic checkpoint (the replicas' average) toward the
+  same target. The checkpoint is written while the workers train, so the steps redone may pass
+  the interval by the steps in flight when it read the step count (one per worker)."""
+  reference = _undisturbed(mode, tmp_path_factory)
+  deadline = time.time() + _TIME_LIMIT_S
+
+  def kill(run):
+    os.kill(_server(run.proc.pid, job, 0), signal.SIGKILL)
+
+  run, summary = _resumed_run(mode, str(tmp_path / "m"), deadline, kill)
+  err = "".join(run.err)
+  assert f"{job}:0 died or became unreachable" in err and "restarting the job" in err
+  # Nothing else on stderr: the loss is said once.
+  assert len([l for l in run.err if l.strip()]) == 2, err
+  assert summary["target_global_step"] == summary["global_step"] == _STEPS
+  assert 0 < summary["steps_redone"] <= _CHECKPOINT_EVERY + 2
+  assert summary["periodic_checkpoints"] >= 1
+  assert abs(summary["eval_auc"] - reference["eval_auc"]) < 0.03, (summary["eval_auc"],
+                                                                  reference["eval_auc"])
 
 
 def _tfdata_worker(root_pid):

@@ -19,7 +19,8 @@ How per-worker replicas are held under TF 2.21 (the choice, and why):
   the parameter servers and workers: a training step never waits for it (the step function
   contains no synchronisation op and takes no lock the synchroniser holds), which is the
   property ShadowSync needs. What this gives up: ClusterCoordinator's re-scheduling of a
-  closure after a worker failure; a lost worker ends the run with its error.
+  closure after a worker failure (a worker's replica dies with it; the job restarts from its
+  last checkpoint instead, tf_gba/training/shadow_job.py).
 
 This module knows nothing of the update rules (tf_gba.optimizers) or of the model
 (tf_gba.training): it provides placement, the step budget, the driver and background threads,
@@ -58,8 +59,8 @@ class StepBudget:
   """
 
   def __init__(self, total: int):
-    if total < 1:
-      raise ValueError(f"the step budget must be >= 1, got {total}.")
+    if total < 0:
+      raise ValueError(f"the step budget must be >= 0, got {total}.")
     self.total = int(total)
     self._taken = 0
     self._lock = threading.Lock()
@@ -197,11 +198,16 @@ def run_background(loops: Sequence[Callable[[], None]], stop: threading.Event,
 def drive_workers(num_workers: int, step: Callable[[int], None], budget: StepBudget,
                   counters: StepCounters, stop: threading.Event, errors: List[BaseException],
                   before_step: Optional[Callable[[int], bool]] = None,
-                  timeout_s: Optional[float] = None) -> float:
+                  timeout_s: Optional[float] = None,
+                  on_tick: Optional[Callable[[], None]] = None,
+                  tick_s: float = 0.25, wake: Optional[threading.Event] = None) -> float:
   """Runs the training: one driver thread per worker until the budget is spent; returns seconds.
 
   `step(i)` runs one step of worker i (its own function under its own device);
   `before_step(i)` may wait (ASGD's staleness bound) and returns False to stop that worker.
+  `on_tick()` runs in the calling thread every `tick_s` while the workers train (progress
+  lines, periodic checkpoints), and at once when `wake` is set (by a step that reached such a
+  point); an exception there stops the training and is raised.
   """
   def target(i):
     try:
@@ -223,8 +229,21 @@ def drive_workers(num_workers: int, step: Callable[[int], None], budget: StepBud
     t.start()
   deadline = None if timeout_s is None else t0 + timeout_s
   for t in threads:
-    t.join(None if deadline is None else max(0.0, deadline - time.perf_counter()))
-    if t.is_alive():
-      stop.set()
-      raise TimeoutError(f"training did not finish within {timeout_s} s (a worker is stuck).")
+    while t.is_alive():
+      left = None if deadline is None else deadline - time.perf_counter()
+      if left is not None and left <= 0:
+        stop.set()
+        raise TimeoutError(f"training did not finish within {timeout_s} s (a worker is stuck).")
+      timeout = tick_s if left is None else min(tick_s, left)
+      if wake is not None:
+        wake.wait(timeout)
+        wake.clear()
+      else:
+        t.join(timeout)
+      if on_tick is not None and not stop.is_set():
+        try:
+          on_tick()
+        except BaseException:
+          stop.set()
+          raise
   return time.perf_counter() - t0

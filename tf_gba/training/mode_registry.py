@@ -240,7 +240,11 @@ register(Mode(
 
 # ShadowSync and asynchronous SGD without gradient delay: embeddings on the parameter servers
 # (updated asynchronously), dense replicas trained on each worker (tf_gba/training/shadow_job.py).
-_SHADOW_FLAGS = frozenset({"stragglers", "straggler_seed", "shadow_alpha", "shadow_sync_delay_ms"})
+# Periodic checkpoints of the replicas' average, and the restarts that resume from them.
+_RECOVERY_FLAGS = frozenset({"checkpoint_every_steps", "checkpoint_every_secs", "keep_checkpoints",
+                             "max_restarts"})
+_SHADOW_FLAGS = frozenset({"stragglers", "straggler_seed", "shadow_alpha",
+                           "shadow_sync_delay_ms"}) | _RECOVERY_FLAGS
 _SHADOW_RUN = lazy("tf_gba.training.shadow_job:run")
 _SHADOW_VALIDATE = lazy("tf_gba.training.shadow_job:validate")
 _SHADOW_SUMMARY = ("restored_from", "replica_spread_before_final_sync",
@@ -266,5 +270,5 @@ register(Mode(
          "waits at --asgd_tau local steps past the last model it received",
     run=_SHADOW_RUN, num_aggregate=_m_one,
     flags=frozenset({"stragglers", "straggler_seed", "shadow_sync_delay_ms", "asgd_tau",
-                     "asgd_algorithm"}),
+                     "asgd_algorithm"}) | _RECOVERY_FLAGS,
     summary_fields=_SHADOW_SUMMARY))

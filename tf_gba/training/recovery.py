@@ -14,7 +14,8 @@ run meant to go and how far it had got.
 import dataclasses
 import json
 import os
-from typing import Optional
+import time
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -26,8 +27,49 @@ PROGRESS_FILE = "tf_gba_progress.json"
 SEEN_FILE = "tf_gba_progress_seen.npy"
 
 
-class ParameterServerLost(RuntimeError):
+class JobLost(RuntimeError):
+  """A process of the job died with state no other process holds: the job starts again and
+  resumes from the last checkpoint (the binary exits with EXIT_RESTART)."""
+
+
+class ParameterServerLost(JobLost):
   """A parameter server died: its variables are gone; the run resumes from the last checkpoint."""
+
+
+class WorkerLost(JobLost):
+  """A worker holding state of its own (a dense replica) died; the run resumes from the last
+  checkpoint."""
+
+
+# What each job's loss takes with it, for the message.
+_LOST = {"ps": (ParameterServerLost, "a parameter server", "its variables are lost"),
+         "worker": (WorkerLost, "a worker", "its dense replica is lost")}
+
+
+def raise_if_lost(error: Exception, cluster, jobs: Sequence[str] = ("ps",)) -> None:
+  """Raises the JobLost of the first of `jobs` ("ps", "worker") that `error` comes from: a
+  server of the local `cluster` (None on a real cluster) that exited, or an unreachable-server
+  error naming that job."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  text = str(error)
+  unreachable = isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError,
+                                   tf.errors.CancelledError, tf.errors.NotFoundError))
+  for job in jobs:
+    dead = cluster.dead(job) if cluster is not None else []
+    named = unreachable and f"/job:{job}" in text
+    if not dead and named and cluster is not None:
+      # A killed process closes its sockets before its exit status can be read: give it a
+      # moment, so that the message can name the server.
+      deadline = time.time() + 3.0
+      while not dead and time.time() < deadline:
+        time.sleep(0.1)
+        dead = cluster.dead(job)
+    if dead or named:
+      cls, someone, lost = _LOST[job]
+      what = ", ".join(dead) if dead else someone
+      raise cls(f"{what} died or became unreachable ({type(error).__name__}); {lost}. Rerun "
+                "the same command (once every server is back) to resume from the last "
+                "checkpoint in model_dir.") from error
 
 
 @dataclasses.dataclass

@@ -492,7 +492,7 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
         # Fewer when a callback stopped the run early.
         epochs = max(1, len(history.history.get("loss", [])))
     except Exception as e:  # pylint: disable=broad-except
-      _raise_if_ps_lost(e, cluster)
+      recovery.raise_if_lost(e, cluster, jobs=("ps",))
       raise
     t1 = time.time()
     worker_stats = strategy.worker_step_stats()
@@ -544,27 +544,6 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     summary_lib.write(config.model_dir, summary)
     summary_lib.print_summary(summary)
     return summary
-
-
-def _raise_if_ps_lost(error: Exception, cluster) -> None:
-  """Raises ParameterServerLost if `error` comes from a parameter server that went away."""
-  dead = cluster.dead("ps") if cluster is not None else []
-  text = str(error)
-  unreachable = isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError,
-                                   tf.errors.CancelledError, tf.errors.NotFoundError))
-  if not dead and unreachable and "/job:ps" in text and cluster is not None:
-    # A killed process closes its sockets before its exit status can be read: give it a moment,
-    # so that the message can name the server.
-    deadline = time.time() + 3.0
-    while not dead and time.time() < deadline:
-      time.sleep(0.1)
-      dead = cluster.dead("ps")
-  if dead or (unreachable and "/job:ps" in text):
-    what = ", ".join(dead) if dead else "a parameter server"
-    raise recovery.ParameterServerLost(
-        f"{what} died or became unreachable ({type(error).__name__}); its variables are lost. "
-        "Rerun the same command (once every server is back) to resume from the last checkpoint "
-        "in model_dir.") from error
 
 
 def fit_shared(model, optimizer, shared, epochs: int, callbacks=(), steps_per_epoch=None):

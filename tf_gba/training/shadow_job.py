@@ -29,6 +29,7 @@ slots), so a checkpoint of sync, gba or async restores into it and its checkpoin
 """
 
 import os
+import sys
 import threading
 import time
 from typing import Dict, List
@@ -46,6 +47,7 @@ from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.optimizers import asgd_nodelay
 from tf_gba.optimizers import shadow_sync
 from tf_gba.training import preflight
+from tf_gba.training import recovery
 from tf_gba.training import resharding
 from tf_gba.training import summary as summary_lib
 from tf_gba.training.evaluation import eval_dataset
@@ -128,6 +130,55 @@ class ReplicatedModel:
         opt = keras.optimizers.Adam(cfg.learning_rate, jit_compile=False)
         opt.build(self.replica_dense[i])
       self.local_optimizers.append(opt)
+    self._build_saved_model(cfg, info, created, shared)
+
+  def _build_saved_model(self, cfg, info, created, shared) -> None:
+    """The model every checkpoint is written from, periodic and final.
+
+    It has the checkpoint model's object graph (so sync, gba and async restore it) and shares
+    its embedding tables and their Adam slots, but holds a dense part of its own, which
+    `snapshot` fills with the replicas' average. The checkpoint model's own dense variables are
+    the synchronisers' (S-EASGD's sync PS copy, S-BMUF's global model, ASGD's PS model): a
+    checkpoint written while the workers train must not overwrite them.
+    """
+    position = [0]
+
+    def saved_creator(next_creator, **kwargs):
+      k = position[0]
+      position[0] += 1
+      if id(created[k]) in shared:
+        return created[k]
+      with tf.device(created[k].device):
+        return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(saved_creator):
+      self.saved = models_lib.build_model(cfg.model, info, embedding_dim=cfg.embedding_dim,
+                                          seed=cfg.seed)
+    self.saved_dense = [v for v in self.saved.trainable_variables if id(v) not in shared]
+    embedding_slots = {}
+    for e in self.embeddings:
+      for name, slot in zip(("m", "v"), self._slots(self.optimizer, e)):
+        embedding_slots[(id(e), name)] = slot
+    with tf.device(rt.ps_device(0)):
+      self.saved_optimizer = _adam_sharing_slots(cfg.learning_rate, embedding_slots)
+      self.saved.compile(self.saved_optimizer, loss=keras.losses.BinaryCrossentropy())
+      self.saved_optimizer.build(self.saved.trainable_variables)
+    self._snapshot = rt.completed_function(self._snapshot_fn)
+
+  def _snapshot_fn(self) -> None:
+    n = float(self.num_workers)
+    self.saved_optimizer.iterations.assign(self.optimizer.iterations.read_value())
+    for k, sv in enumerate(self.saved_dense):
+      with tf.device(sv.device):
+        sv.assign(tf.add_n([r[k].read_value() for r in self.replica_dense]) / n)
+        for j, slot in enumerate(self._slots(self.saved_optimizer, sv)):
+          slot.assign(tf.add_n([self._slots(o, r[k])[j].read_value()
+                                for o, r in zip(self.local_optimizers, self.replica_dense)]) / n)
+
+  def snapshot(self) -> None:
+    """The saved model's dense part (and its Adam slots) := the replicas' average, read while
+    they train; its step := the job's. Embeddings are shared, nothing to copy."""
+    self._snapshot()
 
   # Adam's slots of a variable, in a fixed order (m, v).
   @staticmethod
@@ -167,6 +218,25 @@ class ReplicatedModel:
     flat = [np.concatenate([v.numpy().ravel() for v in r]) for r in self.replica_dense]
     mean = np.mean(flat, axis=0)
     return float(np.mean([np.linalg.norm(f - mean) for f in flat]))
+
+
+def _adam_sharing_slots(learning_rate: float, shared_slots: Dict) -> keras.optimizers.Adam:
+  """An Adam whose slots of the variables in `shared_slots` ({(id(var), "m" or "v"): slot}) are
+  those slots, not new ones: the saved model's optimizer, holding the embedding tables' Adam
+  state once (on the parameter servers) in the same checkpoint layout."""
+
+  class SharingAdam(keras.optimizers.Adam):
+
+    def add_variable_from_reference(self, model_variable, variable_name, shape=None,
+                                    initial_value=None):
+      slot = shared_slots.get((id(model_variable), variable_name))
+      if slot is None:
+        return super().add_variable_from_reference(model_variable, variable_name, shape,
+                                                   initial_value)
+      self._variables.append(slot)  # where the base class keeps what it creates
+      return slot
+
+  return SharingAdam(learning_rate, jit_compile=False)
 
 
 def _step_function(rm: ReplicatedModel, i: int, profile: str, seed: int):
@@ -516,22 +586,102 @@ class _Alg2Coordination(_AsgdCoordinationBase):
     return {**super().summary(), "asgd_algorithm": 2}
 
 
+def _quiet_executors_of_a_lost_server() -> None:
+  """Drops one message on stderr: when a server dies, each driver thread's eager executor is
+  deleted with the thread and raises, unheard, that the socket closed (a traceback after
+  "Exception ignored in"), before the main thread learns of the loss. The loss itself is
+  reported once, by recovery.JobLost."""
+  default = sys.unraisablehook
+
+  def hook(unraisable):
+    if (isinstance(unraisable.exc_value, (tf.errors.UnavailableError, tf.errors.CancelledError))
+        and "Executor.__del__" in repr(unraisable.object)):
+      return
+    default(unraisable)
+
+  sys.unraisablehook = hook
+
+
+class _Monitor:
+  """Runs in the coordinator's main thread while the workers train: a progress line (and the
+  run's progress record) every `log_every` worker steps, and the periodic checkpoints
+  (`checkpoint_every_steps`, `checkpoint_every_secs`) of the replicas' average. Neither stops
+  a worker: the checkpoint reads the replicas as they train (a snapshot of a moving model, as
+  any asynchronous mode's), and the embeddings are saved from the parameter servers as they are.
+  """
+
+  def __init__(self, cfg, rm: ReplicatedModel, budget: rt.StepBudget, losses, save):
+    self.cfg, self.rm, self.budget, self.losses, self.save = cfg, rm, budget, losses, save
+    self.t0 = time.time()
+    self.next_log = cfg.log_every
+    self.last_steps, self.last_time = 0, time.time()
+    self.checkpoints = 0
+    self.wake = threading.Event()  # set by the step that reaches a progress or checkpoint point
+
+  def step_done(self) -> None:
+    """After a worker step (its driver thread): wakes `tick` at a progress or checkpoint point,
+    so that those come within a step of their interval."""
+    taken, every = self.budget.taken, self.cfg.checkpoint_every_steps
+    if ((self.cfg.log_every and taken >= self.next_log) or
+        (every and taken - self.last_steps >= every)):
+      self.wake.set()
+
+  def tick(self) -> None:
+    cfg, taken = self.cfg, self.budget.taken
+    if taken >= self.budget.total:
+      return  # the run's last checkpoint and line follow
+    if cfg.log_every and taken >= self.next_log:
+      self.next_log = (taken // cfg.log_every + 1) * cfg.log_every
+      global_step = int(self.rm.optimizer.iterations.numpy())
+      recovery.report(cfg.model_dir, global_step)
+      last = [ls[-1] for ls in self.losses if ls]
+      loss = float(np.mean([l.numpy() for l in last])) if last else float("nan")
+      qps = taken * cfg.local_batch_size / max(time.time() - self.t0, 1e-9)
+      _log(f"step {taken}/{self.budget.total}  global step {global_step}  loss {loss:.4f}  "
+           f"QPS {qps:,.0f}")
+    due_steps = (cfg.checkpoint_every_steps and
+                 taken - self.last_steps >= cfg.checkpoint_every_steps)
+    due_time = (cfg.checkpoint_every_secs and
+                time.time() - self.last_time >= cfg.checkpoint_every_secs)
+    if due_steps or due_time:
+      self.save()
+      self.checkpoints += 1
+      self.last_steps, self.last_time = taken, time.time()
+
+
 def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 3600.0,
-          return_model: bool = False):
+          return_model: bool = False, cluster=None):
   """Trains on a running cluster (this process: its chief); returns the summary (and, with
-  `return_model`, the `ReplicatedModel`, to read the replicas)."""
+  `return_model`, the `ReplicatedModel`, to read the replicas). `cluster`: the LocalCluster
+  (None on a real cluster), to name a server that died.
+
+  A dead worker takes its dense replica with it, a dead parameter server its variables: either
+  raises recovery.JobLost, and the binary starts the job again, which resumes from the last
+  checkpoint toward the same target (tf_gba.training.recovery), as in the other modes."""
   cfg = config
+  _quiet_executors_of_a_lost_server()
   rt.connect(resolver)
   data_kwargs = cfg.data_kwargs()
   info = data_lib.data_info(cfg.data, **data_kwargs)
   rm = ReplicatedModel(cfg, info, num_workers, num_ps)
-  checkpoint = tf.train.Checkpoint(model=rm.master)
-  manager = tf.train.CheckpointManager(checkpoint, cfg.model_dir, max_to_keep=cfg.keep_checkpoints)
+  manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=rm.saved), cfg.model_dir,
+                                       max_to_keep=cfg.keep_checkpoints)
   restored_from, _ = preflight.restore_latest_usable(
       cfg.model_dir, lambda path: resharding.restore_training_state(path, rm.master, rm.optimizer),
       _log)
   rm.broadcast()
+  rm.snapshot()  # traced here, before the driver threads start
   start_step = int(rm.optimizer.iterations.numpy())
+  # Where the run ends, in global steps (one per worker step); a rerun after a failure goes on
+  # to the same target.
+  os.makedirs(cfg.model_dir, exist_ok=True)
+  resume = recovery.begin(cfg.model_dir, cfg.mode, cfg.steps, start_step,
+                          target_if_new=start_step + cfg.steps)
+  run_steps = max(0, resume.target_global_step - start_step)
+  if resume.resumed:
+    _log(f"tf_gba: resuming an interrupted run (restart {resume.restarts}): global step "
+         f"{start_step} of {resume.target_global_step}, {run_steps} worker steps left, "
+         f"{resume.steps_redone} global steps redone so far")
   profile = stragglers_lib.parse(cfg.stragglers)
   steps = [_step_function(rm, i, profile, cfg.straggler_seed) for i in range(num_workers)]
   iterators = []
@@ -567,7 +717,7 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
 
   # Every step function is traced once, one worker after the other, before the threads start
   # (tracing touches the shared optimizer's Python state).
-  budget = rt.StepBudget(cfg.steps)
+  budget = rt.StepBudget(run_steps)
   if coordination is not None:
     coordination.budget_spent = lambda: budget.taken >= budget.total
   for i in range(num_workers):
@@ -582,13 +732,30 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
     bodies = [coordination.master_body]
   syncers = rt.run_background(bodies, stop, errors, name="synchroniser")
   warm_steps = budget.taken
-  wall = rt.drive_workers(num_workers, run_step, budget, counters, stop, errors,
-                          before_step=coordination.before_step if coordination else None,
-                          timeout_s=timeout_s)
-  stop.set()
-  for t in syncers:
-    t.join(60)
+
+  def save() -> str:
+    rm.snapshot()
+    return manager.save(checkpoint_number=int(rm.saved_optimizer.iterations.numpy()))
+
+  monitor = _Monitor(cfg, rm, budget, losses, save)
+
+  def run_step_and_report(i):
+    run_step(i)
+    monitor.step_done()
+
+  try:
+    wall = rt.drive_workers(num_workers, run_step_and_report, budget, counters, stop, errors,
+                            before_step=coordination.before_step if coordination else None,
+                            timeout_s=timeout_s, on_tick=monitor.tick, wake=monitor.wake)
+  except Exception as e:  # pylint: disable=broad-except
+    recovery.raise_if_lost(e, cluster, jobs=("ps", "worker"))
+    raise
+  finally:
+    stop.set()
+    for t in syncers:
+      t.join(60)
   if errors:
+    recovery.raise_if_lost(errors[0], cluster, jobs=("ps", "worker"))
     raise errors[0]
   spread_before_final = rm.spread()
   # Kept for inspection: the final model must be their average.
@@ -599,10 +766,13 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
     rm.average_into_master()
   spread_after_final = rm.spread()
   worker_stats = stragglers_lib.worker_step_stats(num_workers)
-  saved = manager.save(checkpoint_number=int(rm.optimizer.iterations.numpy()))
+  saved = save()  # the replicas are the final model now: their average is that model
+  global_step = int(rm.optimizer.iterations.numpy())
+  recovery.report(cfg.model_dir, global_step, finished=True)
   evaluation = _evaluate(cfg, info, data_kwargs, saved)
   measured = budget.taken - warm_steps
-  final_loss = float(np.mean([l.numpy() for ls in losses for l in ls[-20:]]))
+  tail = [l.numpy() for ls in losses for l in ls[-20:]]
+  final_loss = float(np.mean(tail)) if tail else None  # None: a resumed run with nothing left
   summary = summary_lib.new(
       cfg, num_aggregate=1, num_ps=num_ps, num_workers=num_workers,
       global_batch_size=cfg.local_batch_size * num_workers,
@@ -618,13 +788,16 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
       # per-step staleness (local steps past the last PS model); 0 for ShadowSync, whose dense
       # replicas are trained locally (how far apart they drift is in "sync").
       pushes=budget.taken,
-      global_step=int(rm.optimizer.iterations.numpy()), start_global_step=start_step,
+      global_step=global_step, start_global_step=start_step,
       restored_from=restored_from, final_train_loss=final_loss,
       eval_auc=evaluation["auc"], eval_logloss=evaluation["logloss"],
       eval_examples=evaluation["examples"], checkpoint=saved,
       replica_spread_before_final_sync=spread_before_final,
       replica_spread_after_final_sync=spread_after_final,
-      sync=log.summary())
+      sync=log.summary(), periodic_checkpoints=monitor.checkpoints,
+      target_global_step=resume.target_global_step, restarts=resume.restarts,
+      steps_redone=resume.steps_redone, batches_reread=resume.steps_redone,
+      worker_restarts=0)
   if cfg.mode in SHADOW_MODES:
     summary["shadow_alpha"] = cfg.shadow_alpha
   if coordination is not None:
@@ -643,6 +816,10 @@ def _evaluate(cfg, info, data_kwargs, checkpoint_path: str) -> Dict:
   return metrics.evaluate_binary(model, eval_dataset(cfg, data_kwargs))
 
 
+def _fmt(x) -> str:
+  return "-" if x is None else f"{x:.2f}"
+
+
 def run(config) -> Dict:
   """What the training binary runs for these modes: a local cluster (or TF_CONFIG's), the
   training, the summary (printed, and written to model_dir/summary.json). The flags and data were
@@ -655,11 +832,12 @@ def run(config) -> Dict:
   else:
     with LocalCluster(num_ps=config.num_ps, num_workers=config.num_workers,
                       log_dir=config.log_dir, keep_logs=config.keep_logs) as cluster:
-      summary = train(config, cluster.resolver(), config.num_workers, config.num_ps)
+      summary = train(config, cluster.resolver(), config.num_workers, config.num_ps,
+                      cluster=cluster)
   summary_lib.write(config.model_dir, summary)
   s = summary
   _log(f"tf_gba: {s['mode']} done: {s['steps']} worker steps, global QPS {s['global_qps']:,.0f}, "
-       f"eval AUC {s['eval_auc']:.4f}, mean sync gap {s['sync']['mean_sync_gap']} steps, "
+       f"eval AUC {s['eval_auc']:.4f}, mean sync gap {_fmt(s['sync']['mean_sync_gap'])} steps, "
        f"replica spread {s['replica_spread_before_final_sync']:.3g} -> "
        f"{s['replica_spread_after_final_sync']:.3g}")
   return summary
