@@ -48,6 +48,12 @@ class Replicas:
     self.replicas = [[v.numpy() for v in dense] for dense in rm.replica_dense]
     self.master = [v.numpy() for v in rm.dense]
     self.before_final = rm.before_final
+    # Adam's (m, v) of every replica's dense variables, and of the shared embedding tables.
+    self.slots = [[[s.numpy() for s in rm._slots(opt, v)] for v in dense]  # pylint: disable=protected-access
+                  for opt, dense in zip(rm.local_optimizers, rm.replica_dense)]
+    self.embeddings = [v.numpy() for v in rm.embeddings]
+    self.embedding_slots = [[s.numpy() for s in rm._slots(rm.optimizer, v)]  # pylint: disable=protected-access
+                            for v in rm.embeddings]
 
 
 def train(cfg, **kw):
@@ -166,7 +172,22 @@ def test_switching_sync_layout_to_shadow_and_back(tmp_path):
   assert len(back_dense) == len(final_dense)
   for a, b in zip(back_dense, final_dense):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-  # The dense Adam slots restored are the replicas' average, not the donor's constants.
-  var = back.trainable_variables[-1]
-  slot = opt._momentums[opt._index_dict[opt._var_key(var)]].numpy()  # pylint: disable=protected-access
-  assert not np.allclose(slot, 1e-3)
+  def slots(var):
+    k = opt._index_dict[opt._var_key(var)]  # pylint: disable=protected-access
+    return [opt._momentums[k].numpy(), opt._velocities[k].numpy()]  # pylint: disable=protected-access
+
+  # The dense Adam slots restored are the replicas' average (computed here), not the donor's
+  # constants...
+  dense_vars = [v for v in back.trainable_variables if id(v) not in shared]
+  for k, var in enumerate(dense_vars):
+    for j, restored in enumerate(slots(var)):
+      mean = np.mean([rm.slots[i][k][j] for i in range(cfg.num_workers)], axis=0)
+      np.testing.assert_allclose(restored, mean, rtol=1e-5, atol=1e-8, err_msg=f"{k} {j}")
+  assert not np.allclose(slots(dense_vars[-1])[0], 1e-3)
+  # ...and the embedding tables and their slots are the job's, on the parameter servers.
+  emb_vars = [v for v in back.trainable_variables if id(v) in shared]
+  assert len(emb_vars) == len(rm.embeddings)
+  for var, value, (m, v) in zip(emb_vars, rm.embeddings, rm.embedding_slots):
+    np.testing.assert_array_equal(var.numpy(), value)
+    np.testing.assert_array_equal(slots(var)[0], m)
+    np.testing.assert_array_equal(slots(var)[1], v)
