@@ -351,14 +351,21 @@ _CONFIG_FILE = "bench_config.json"
 
 
 def _finished(model_dir: str, config: dict) -> Optional[dict]:
-  """The summary of a run already done in `model_dir` with this very config, else None."""
+  """The summary of a run already done in `model_dir` with this very config, else None.
+
+  The model_dir recorded is not compared: an --out directory copied or moved elsewhere (to add
+  modes to a finished evaluation under a new name) is resumed too."""
   try:
     with open(os.path.join(model_dir, _CONFIG_FILE)) as f:
-      same = json.load(f) == config
+      same = _without_dir(json.load(f)) == _without_dir(config)
     with open(os.path.join(model_dir, "summary.json")) as f:
       return json.load(f) if same else None
   except (OSError, ValueError):
     return None
+
+
+def _without_dir(config: dict) -> dict:
+  return {k: v for k, v in config.items() if k != "model_dir"}
 
 
 _KEPT = ("eval_auc", "eval_logloss", "eval_examples", "global_qps", "wall_seconds", "steps",

@@ -319,3 +319,17 @@ def test_gba_on_its_own_cluster_shape():
   with pytest.raises(SystemExit):
     switching.parse_args(["--num_workers=4", "--local_batch_size=256",
                           "--gba_local_batch_size=300"])
+
+
+def test_resume_reuses_a_finished_run_of_the_same_config_wherever_the_out_directory_moved(
+    tmp_path):
+  config = {"mode": "gba", "seed": 0, "local_batch_size": 64, "model_dir": "/old/out/day0"}
+  model_dir = tmp_path / "day0"
+  model_dir.mkdir()
+  (model_dir / switching._CONFIG_FILE).write_text(json.dumps(config))  # pylint: disable=protected-access
+  (model_dir / "summary.json").write_text(json.dumps({"eval_auc": 0.7}))
+  moved = dict(config, model_dir=str(model_dir))
+  assert switching._finished(str(model_dir), moved) == {"eval_auc": 0.7}  # pylint: disable=protected-access
+  # Any other difference runs it again.
+  other = dict(moved, local_batch_size=128)
+  assert switching._finished(str(model_dir), other) is None  # pylint: disable=protected-access
