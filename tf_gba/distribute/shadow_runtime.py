@@ -33,6 +33,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
+# Per-thread asynchronous executors: what ClusterCoordinator's worker threads use (no public API
+# scopes one to a thread; tf.config.experimental.set_synchronous_execution is process-wide).
+from tensorflow.python.eager import context as eager_context  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.eager import executor as eager_executor  # pylint: disable=g-direct-tensorflow-import
 
 WORKER_DEVICE = "/job:worker/replica:0/task:{}/device:CPU:0"
 PS_DEVICE = "/job:ps/replica:0/task:{}/device:CPU:0"
@@ -203,21 +207,30 @@ def drive_workers(num_workers: int, step: Callable[[int], None], budget: StepBud
                   tick_s: float = 0.25, wake: Optional[threading.Event] = None) -> float:
   """Runs the training: one driver thread per worker until the budget is spent; returns seconds.
 
-  `step(i)` runs one step of worker i (its own function under its own device);
-  `before_step(i)` may wait (ASGD's staleness bound) and returns False to stop that worker.
+  `step(i)` runs one step of worker i (its own function under its own device) and returns once
+  the step is done (e.g. by fetching its loss); `before_step(i)` may wait (ASGD's staleness
+  bound) and returns False to stop that worker.
+
+  Each driver thread calls under an asynchronous executor of its own, as ClusterCoordinator's
+  worker threads do. With the default (synchronous) executor the steps of different workers ran
+  one at a time: two workers with a 100 ms compute floor took 4.2 s for 20 steps each, one
+  worker's time; each with its own asynchronous executor, 2.3 s (and 2,483 against async mode's
+  4,610 examples/s on the training binary at 2 workers, before this). A call then returns before
+  the step has run, hence the fetch in `step`.
   `on_tick()` runs in the calling thread every `tick_s` while the workers train (progress
   lines, periodic checkpoints), and at once when `wake` is set (by a step that reached such a
   point); an exception there stops the training and is raised.
   """
   def target(i):
     try:
-      while not stop.is_set():
-        if before_step is not None and not before_step(i):
-          return
-        if not budget.claim():
-          return
-        step(i)
-        counters.done(i)
+      with eager_context.executor_scope(eager_executor.new_executor(enable_async=True)):
+        while not stop.is_set():
+          if before_step is not None and not before_step(i):
+            return
+          if not budget.claim():
+            return
+          step(i)
+          counters.done(i)
     except BaseException as e:  # pylint: disable=broad-except
       errors.append(e)
       stop.set()

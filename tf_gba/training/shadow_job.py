@@ -635,7 +635,7 @@ class _Monitor:
       global_step = int(self.rm.optimizer.iterations.numpy())
       recovery.report(cfg.model_dir, global_step)
       last = [ls[-1] for ls in self.losses if ls]
-      loss = float(np.mean([l.numpy() for l in last])) if last else float("nan")
+      loss = float(np.mean(last)) if last else float("nan")
       qps = taken * cfg.local_batch_size / max(time.time() - self.t0, 1e-9)
       _log(f"step {taken}/{self.budget.total}  global step {global_step}  loss {loss:.4f}  "
            f"QPS {qps:,.0f}")
@@ -711,7 +711,9 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
     features, labels = next(iterators[i])
     with tf.device(rt.worker_device(i)):
       loss = steps[i](features, labels)
-    losses[i].append(loss)
+    # Fetched: under the driver thread's asynchronous executor the call returns before the
+    # step has run, and a step counts (budget, ASGD's staleness, sync gaps) once it is done.
+    losses[i].append(float(loss.numpy()))
     if coordination is not None:
       coordination.after_step(i)
 
@@ -771,7 +773,7 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
   recovery.report(cfg.model_dir, global_step, finished=True)
   evaluation = _evaluate(cfg, info, data_kwargs, saved)
   measured = budget.taken - warm_steps
-  tail = [l.numpy() for ls in losses for l in ls[-20:]]
+  tail = [l for ls in losses for l in ls[-20:]]
   final_loss = float(np.mean(tail)) if tail else None  # None: a resumed run with nothing left
   summary = summary_lib.new(
       cfg, num_aggregate=1, num_ps=num_ps, num_workers=num_workers,
