@@ -24,6 +24,7 @@ import tf_keras as keras
 from tf_gba import data as data_lib
 from tf_gba import models as models_lib
 from tf_gba.distribute import LocalCluster
+from tf_gba.training import recovery
 from tf_gba.training import resharding
 from tf_gba.training import shadow_job
 from tf_gba.training.config import TrainConfig
@@ -104,6 +105,16 @@ def test_training_continues_while_a_sync_is_in_flight(tmp_path, mode):
   assert sync["mean_steps_during_sync"] >= 2, sync
   # The sync gap is measured, not set: it is the steps a worker makes per sync.
   assert sync["mean_sync_gap"] >= 2, sync
+
+
+def test_a_run_in_which_no_step_starts_ends_for_a_restart(tmp_path):
+  # Every merge is held 20 s: at tau = 2 the workers wait for the next model and no step
+  # starts. Past --stall_timeout_s the job ends with JobLost (the binary then restarts it from
+  # the last checkpoint) instead of waiting forever.
+  cfg = config(tmp_path, "asgd_nodelay", steps=200, asgd_tau=2, shadow_sync_delay_ms=20000,
+               stall_timeout_s=2.0)
+  with pytest.raises(recovery.JobLost, match="stall_timeout_s"):
+    train(cfg)
 
 
 @pytest.mark.parametrize("algorithm,tau", [(1, 2), (1, 4), (2, 4)])

@@ -242,7 +242,7 @@ register(Mode(
 # (updated asynchronously), dense replicas trained on each worker (tf_gba/training/shadow_job.py).
 # Periodic checkpoints of the replicas' average, and the restarts that resume from them.
 _RECOVERY_FLAGS = frozenset({"checkpoint_every_steps", "checkpoint_every_secs", "keep_checkpoints",
-                             "max_restarts"})
+                             "max_restarts", "stall_timeout_s"})
 _SHADOW_FLAGS = frozenset({"stragglers", "straggler_seed", "shadow_alpha",
                            "shadow_sync_delay_ms"}) | _RECOVERY_FLAGS
 _SHADOW_RUN = lazy("tf_gba.training.shadow_job:run")

@@ -617,6 +617,7 @@ class _Monitor:
     self.last_steps, self.last_time = 0, time.time()
     self.checkpoints = 0
     self.wake = threading.Event()  # set by the step that reaches a progress or checkpoint point
+    self.last_taken, self.last_progress = budget.taken, time.time()
 
   def step_done(self) -> None:
     """After a worker step (its driver thread): wakes `tick` at a progress or checkpoint point,
@@ -630,6 +631,16 @@ class _Monitor:
     cfg, taken = self.cfg, self.budget.taken
     if taken >= self.budget.total:
       return  # the run's last checkpoint and line follow
+    now = time.time()
+    if taken != self.last_taken:
+      self.last_taken, self.last_progress = taken, now
+    elif now - self.last_progress > cfg.stall_timeout_s:
+      # A call that never returns (a server that stopped answering without closing its
+      # socket) would hold the job forever; a restart resumes from the last checkpoint.
+      raise recovery.JobLost(
+          f"no worker started a step for {cfg.stall_timeout_s:.0f} s (--stall_timeout_s): a "
+          "worker or parameter server stopped answering. Rerun the same command to resume from "
+          "the last checkpoint in model_dir.")
     if cfg.log_every and taken >= self.next_log:
       self.next_log = (taken // cfg.log_every + 1) * cfg.log_every
       global_step = int(self.rm.optimizer.iterations.numpy())
@@ -754,8 +765,9 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
     raise
   finally:
     stop.set()
+    deadline = time.time() + 60.0  # for all of them: a stalled one must not hold the restart
     for t in syncers:
-      t.join(60)
+      t.join(max(0.0, deadline - time.time()))
   if errors:
     recovery.raise_if_lost(errors[0], cluster, jobs=("ps", "worker"))
     raise errors[0]
