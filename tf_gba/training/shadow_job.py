@@ -590,8 +590,10 @@ def _quiet_executors_of_a_lost_server() -> None:
   """Drops one message on stderr: when a server dies, each driver thread's eager executor is
   deleted with the thread and raises, unheard, that the socket closed (a traceback after
   "Exception ignored in"), before the main thread learns of the loss. The loss itself is
-  reported once, by recovery.JobLost."""
+  reported once, by recovery.JobLost. Installed once per process (train() may run again)."""
   default = sys.unraisablehook
+  if getattr(default, "tf_gba_quiet_executors", False):
+    return
 
   def hook(unraisable):
     if (isinstance(unraisable.exc_value, (tf.errors.UnavailableError, tf.errors.CancelledError))
@@ -599,6 +601,7 @@ def _quiet_executors_of_a_lost_server() -> None:
       return
     default(unraisable)
 
+  hook.tf_gba_quiet_executors = True
   sys.unraisablehook = hook
 
 
