@@ -72,6 +72,26 @@ def raise_if_lost(error: Exception, cluster, jobs: Sequence[str] = ("ps",)) -> N
                 "checkpoint in model_dir.") from error
 
 
+class CheckpointSchedule:
+  """When a periodic checkpoint is due: `every_steps` worker steps or `every_secs` seconds after
+  the last one (0 turns either off). Shared by every training loop that writes them."""
+
+  def __init__(self, every_steps: int, every_secs: float):
+    self.every_steps, self.every_secs = every_steps, every_secs
+    self._last_steps, self._last_time = 0, time.time()
+
+  def due_by_steps(self, steps: int) -> bool:
+    return bool(self.every_steps) and steps - self._last_steps >= self.every_steps
+
+  def due(self, steps: int) -> bool:
+    return self.due_by_steps(steps) or (
+        bool(self.every_secs) and time.time() - self._last_time >= self.every_secs)
+
+  def written(self, steps: int) -> None:
+    """A checkpoint holding `steps` worker steps was written: the intervals start again."""
+    self._last_steps, self._last_time = steps, time.time()
+
+
 @dataclasses.dataclass
 class Progress:
   target_global_step: int

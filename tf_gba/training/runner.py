@@ -157,22 +157,17 @@ class PeriodicCheckpoint(keras.callbacks.Callback):
   def __init__(self, job: "_Job"):
     super().__init__()
     self._job = job
-    self._last_steps = 0
-    self._last_time = time.time()
+    self._schedule = recovery.CheckpointSchedule(job.config.checkpoint_every_steps,
+                                                 job.config.checkpoint_every_secs)
     self.saved = []
 
   def on_epoch_end(self, epoch, logs=None):
-    cfg = self._job.config
-    steps = (epoch + 1) * epoch_steps(cfg)
+    steps = (epoch + 1) * epoch_steps(self._job.config)
     if steps >= self._job.total_steps:
       return  # the run's last checkpoint follows
-    due_steps = (cfg.checkpoint_every_steps and
-                 steps - self._last_steps >= cfg.checkpoint_every_steps)
-    due_time = (cfg.checkpoint_every_secs and
-                time.time() - self._last_time >= cfg.checkpoint_every_secs)
-    if due_steps or due_time:
+    if self._schedule.due(steps):
       self.saved.append(self._job.save_checkpoint())
-      self._last_steps, self._last_time = steps, time.time()
+      self._schedule.written(steps)
 
 
 class _Job:

@@ -617,7 +617,8 @@ class _Monitor:
     self.cfg, self.rm, self.budget, self.losses, self.save = cfg, rm, budget, losses, save
     self.t0 = time.time()
     self.next_log = cfg.log_every
-    self.last_steps, self.last_time = 0, time.time()
+    self.schedule = recovery.CheckpointSchedule(cfg.checkpoint_every_steps,
+                                                cfg.checkpoint_every_secs)
     self.checkpoints = 0
     self.wake = threading.Event()  # set by the step that reaches a progress or checkpoint point
     self.last_taken, self.last_progress = budget.taken, time.time()
@@ -625,9 +626,8 @@ class _Monitor:
   def step_done(self) -> None:
     """After a worker step (its driver thread): wakes `tick` at a progress or checkpoint point,
     so that those come within a step of their interval."""
-    taken, every = self.budget.taken, self.cfg.checkpoint_every_steps
-    if ((self.cfg.log_every and taken >= self.next_log) or
-        (every and taken - self.last_steps >= every)):
+    taken = self.budget.taken
+    if (self.cfg.log_every and taken >= self.next_log) or self.schedule.due_by_steps(taken):
       self.wake.set()
 
   def tick(self) -> None:
@@ -653,14 +653,10 @@ class _Monitor:
       qps = taken * cfg.local_batch_size / max(time.time() - self.t0, 1e-9)
       _log(f"step {taken}/{self.budget.total}  global step {global_step}  loss {loss:.4f}  "
            f"QPS {qps:,.0f}")
-    due_steps = (cfg.checkpoint_every_steps and
-                 taken - self.last_steps >= cfg.checkpoint_every_steps)
-    due_time = (cfg.checkpoint_every_secs and
-                time.time() - self.last_time >= cfg.checkpoint_every_secs)
-    if due_steps or due_time:
+    if self.schedule.due(taken):
       self.save()
       self.checkpoints += 1
-      self.last_steps, self.last_time = taken, time.time()
+      self.schedule.written(taken)
 
 
 def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 3600.0,
