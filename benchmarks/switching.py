@@ -56,7 +56,9 @@ specialized hyper-parameters of each training mode and records ... its best AUC"
 b1 in {1, 2, 4}, BSP b2 in {N/8, N/4, N/2}, Hop-BW b3 in {1, N/8, N/4} (rounded, at least 1,
 repeats dropped). A setting is a mode of its own in every table, named e.g. `bsp@2`; the sweep
 table reports each baseline at its best average AUC and lists the others. A setting can also be
-given directly in `--modes` (e.g. `--modes=sync,gba,bsp@2`).
+given directly in `--modes` (e.g. `--modes=sync,gba,bsp@2`). `gba@per_id` is GBA with the paper's
+per-ID embedding divisor c(id) (`--sparse_normalize=per_id`) in place of the default M, a row of
+its own beside `gba`: the divisor's ablation.
 
 Writes `results.md`, `results.json`, `auc_per_day.png`, `qps.png` and `staleness_histogram.png`
 to `--out`, and the runs themselves (checkpoints, summaries, logs) under `--out/runs`. Exits with
@@ -95,6 +97,9 @@ ALL_MODES = mode_registry.names(compared=True)
 EXTRA_MODES = tuple(m for m in mode_registry.names(mode_registry.PARAMETER_SERVER, compared=False))
 # Each baseline's own parameter (a TrainConfig field), swept by --sweep.
 SWEPT = {m.name: m.parameter for m in mode_registry.all_modes() if m.parameter}
+# Named variants of a mode, run as rows of their own beside it (not swept): "gba@per_id" is GBA
+# with the paper's per-ID embedding divisor c(id) instead of the default M (SPEC "Embeddings").
+VARIANTS = {"gba": ("sparse_normalize", ("per_id",))}
 # Sources whose examples carry a day (a `num_days` option); the others have one day.
 DAY_SOURCES = ("synthetic", "movielens100k", "criteo")
 # The synthetic default: small days so that the plain command finishes in about half an hour on
@@ -192,14 +197,23 @@ def make_protocol(args: argparse.Namespace) -> Protocol:
                   eval_examples=eval_examples, steps_per_day=steps, pass_steps=pass_steps)
 
 
-def split_setting(name: str) -> Tuple[str, Optional[int]]:
-  """"bsp@2" -> ("bsp", 2); "gba" -> ("gba", None)."""
+def split_setting(name: str) -> Tuple[str, Optional[object]]:
+  """"bsp@2" -> ("bsp", 2); "gba@per_id" -> ("gba", "per_id"); "gba" -> ("gba", None)."""
   mode, sep, value = name.partition("@")
   if not sep:
     return mode, None
+  if mode in VARIANTS and value in VARIANTS[mode][1]:
+    return mode, value
   if mode not in SWEPT or not value.isdigit():
-    raise ValueError(f"{name!r}: a setting is <mode>@<integer> for a mode in {sorted(SWEPT)}.")
+    variants = [f"{m}@{v}" for m, (_, values) in VARIANTS.items() for v in values]
+    raise ValueError(f"{name!r}: a setting is <mode>@<integer> for a mode in {sorted(SWEPT)}, "
+                     f"or one of {variants}.")
   return mode, int(value)
+
+
+def setting_field(mode: str) -> str:
+  """The TrainConfig field a setting of `mode` sets (bsp: bsp_aggregate; gba: sparse_normalize)."""
+  return SWEPT[mode] if mode in SWEPT else VARIANTS[mode][0]
 
 
 def sweep_grid(num_workers: int) -> Dict[str, List[int]]:
@@ -254,7 +268,7 @@ def run_config(args: argparse.Namespace, protocol: Protocol, mode: str, seed: in
   `mode` may name a baseline's setting ("bsp@2"): the mode with that parameter.
   """
   mode, setting = split_setting(mode)
-  extra = {SWEPT[mode]: setting} if setting is not None else {}
+  extra = {setting_field(mode): setting} if setting is not None else {}
   steps = protocol.steps_per_day
   num_workers, local_batch = args.num_workers, args.local_batch_size
   if mode == "gba" and getattr(args, "gba_local_batch_size", None):

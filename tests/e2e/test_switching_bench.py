@@ -245,14 +245,16 @@ def test_sweep_grid_and_settings_as_modes():
   assert args.modes_list == ["sync", "gba", "bsp@1", "bsp@2", "bsp@4", "hop_bs@1", "hop_bs@2",
                              "hop_bs@4", "hop_bw@1", "hop_bw@2", "async_tuned"]
   assert switching.parse_args(["--modes=sync,bsp@3"]).modes_list == ["sync", "bsp@3"]
-  with pytest.raises(SystemExit):
-    switching.parse_args(["--modes=gba@2"])
+  for bad in ("gba@2", "gba@sum", "bsp@per_id"):
+    with pytest.raises(SystemExit):
+      switching.parse_args([f"--modes={bad}"])
   protocol = switching.Protocol(data_options="num_days=3", num_days=3, base_days=[0],
                                 train_days=[1], eval_days=[2], next_day=True, train_rows=100,
                                 eval_examples=100, steps_per_day=32)
   from tf_gba.training import TrainConfig  # pylint: disable=g-import-not-at-top
   for name, field, value in (("bsp@4", "bsp_aggregate", 4), ("hop_bs@1", "hop_bs_bound", 1),
-                             ("hop_bw@2", "hop_bw_backup", 2)):
+                             ("hop_bw@2", "hop_bw_backup", 2),
+                             ("gba@per_id", "sparse_normalize", "per_id")):
     config = switching.run_config(args, protocol, name, 0, 1, 2, "/tmp/x")
     assert config["mode"] == name.split("@")[0] and config[field] == value
     TrainConfig(**config).validate()
