@@ -368,18 +368,24 @@ def _finished(model_dir: str, config: dict) -> Optional[dict]:
   """The summary of a run already done in `model_dir` with this very config, else None.
 
   The model_dir recorded is not compared: an --out directory copied or moved elsewhere (to add
-  modes to a finished evaluation under a new name) is resumed too."""
+  modes to a finished evaluation under a new name) is resumed too. A field at TrainConfig's
+  default counts as absent, so a run recorded before the field existed (and so run with its
+  default behaviour) matches a config that leaves it at the default."""
   try:
     with open(os.path.join(model_dir, _CONFIG_FILE)) as f:
-      same = _without_dir(json.load(f)) == _without_dir(config)
+      same = _comparable(json.load(f)) == _comparable(config)
     with open(os.path.join(model_dir, "summary.json")) as f:
       return json.load(f) if same else None
   except (OSError, ValueError):
     return None
 
 
-def _without_dir(config: dict) -> dict:
-  return {k: v for k, v in config.items() if k != "model_dir"}
+def _comparable(config: dict) -> dict:
+  from tf_gba.training.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)
+              if f.default is not dataclasses.MISSING}
+  return {k: v for k, v in config.items()
+          if k != "model_dir" and not (k in defaults and v == defaults[k])}
 
 
 _KEPT = ("eval_auc", "eval_logloss", "eval_examples", "global_qps", "wall_seconds", "steps",

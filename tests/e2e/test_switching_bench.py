@@ -332,6 +332,10 @@ def test_resume_reuses_a_finished_run_of_the_same_config_wherever_the_out_direct
   (model_dir / "summary.json").write_text(json.dumps({"eval_auc": 0.7}))
   moved = dict(config, model_dir=str(model_dir))
   assert switching._finished(str(model_dir), moved) == {"eval_auc": 0.7}  # pylint: disable=protected-access
+  # A field recorded before it existed matches its default, and only its default.
+  assert switching._finished(str(model_dir), dict(moved, straggler_delay="after_push")) == {  # pylint: disable=protected-access
+      "eval_auc": 0.7}
+  assert switching._finished(str(model_dir), dict(moved, straggler_delay="before_push")) is None  # pylint: disable=protected-access
   # Any other difference runs it again.
   other = dict(moved, local_batch_size=128)
   assert switching._finished(str(model_dir), other) is None  # pylint: disable=protected-access
