@@ -18,7 +18,11 @@ mode with both inputs (the shared data list, static shards) side by side. The ra
 With a compute floor in the profile (`compute:<ms>`), the table also gives the parameter-server
 limit: the sum over workers of local batch / expected step time, the step time being the floor
 stretched by the worker's expected slowdown under the profile (factors multiply; a transient
-p:f has mean 1 + p (f - 1)). No mode that keeps every worker busy can go faster.
+p:f has mean 1 + p (f - 1)). No mode that keeps every worker busy can go faster. "in step" is
+the workers' mean share of the measured time spent inside their steps (compute and injected
+delay, parameter-server modes): the rest is each step's dispatch, result and input read, and
+the wait at each logging interval's end. A mode that never waits reaches about that share of
+the limit.
 """
 
 import argparse
@@ -67,6 +71,14 @@ def ps_limit_qps(profile: str, num_workers: int, local_batch_size: int) -> Optio
   if floor_s is None:
     return None
   return sum(local_batch_size / (floor_s * x) for x in factors)
+
+
+def _in_step(summary: dict) -> Optional[float]:
+  """The workers' mean share of the measured time spent inside a step (compute and injected
+  delay): what a mode that never waits loses to per-step dispatch and input reads. None where
+  the run does not report it (the collective modes)."""
+  shares = [w["in_step_fraction"] for w in summary["per_worker"] if "in_step_fraction" in w]
+  return statistics.mean(shares) if shares else None
 
 
 def flags_for(mode: str, extra) -> list:
@@ -150,9 +162,9 @@ def main(argv=None):
         f"{args.straggler_delay}; load average "
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
   print("\n| stragglers | mode | global QPS (mean over repeats) | PS limit | vs limit | vs sync | "
-        "vs async | vs gba | per-worker QPS | mean / max staleness | dropped batches | "
+        "vs async | vs gba | per-worker QPS | in step | mean / max staleness | dropped batches | "
         "blocked s (hop_bs, hop_bw) | eval AUC |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
   def mean_qps(mode, profile):
     runs = results.get((mode, profile))
@@ -170,6 +182,7 @@ def main(argv=None):
       row = {"stragglers": profile, "mode": mode, "global_qps": qps,
              "global_qps_runs": [s["global_qps"] for s in runs],
              "per_worker_qps": [w["qps"] for w in last["per_worker"]],
+             "in_step_fraction": _in_step(last),
              "mean_staleness": last["mean_staleness"], "max_staleness": last["max_staleness"],
              "dropped_batches": last["dropped_batches"],
              "blocked_seconds": last.get("blocked_seconds", 0.0),
@@ -184,6 +197,7 @@ def main(argv=None):
             f"{ratio(row['vs_limit'])} | {ratio(row['vs_sync'])} | "
             f"{ratio(row['vs_async'])} | {ratio(row['vs_gba'])} | "
             f"{' '.join(f'{q:,.0f}' for q in row['per_worker_qps'])} | "
+            f"{ratio(row['in_step_fraction'])} | "
             f"{row['mean_staleness']:.2f} / {row['max_staleness']} | {row['dropped_batches']} | "
             f"{row['blocked_seconds']:.1f} | {row['eval_auc']:.4f} |")
   os.makedirs(args.out, exist_ok=True)

@@ -103,6 +103,16 @@ def test_hop_bs_holds_fast_workers_behind_a_5x_slower_one(tmp_path):
   assert slow["blocked_seconds"] < min(w["blocked_seconds"] for w in fast)
   assert held["blocked_seconds"] == pytest.approx(
       sum(w["blocked_seconds"] for w in held["per_worker"]), abs=0.01)
+  # The time inside steps: each step lasts the floor x the worker's factor (its compute is under
+  # the floor), so over the measured window a worker is in a step for at least factor x 0.1 s x
+  # its steps (qps / 64 a second); at most the window and one step ending inside it. Held fast
+  # workers wait at the barrier, outside their steps.
+  for run in (free, held):
+    for w in run["per_worker"]:
+      factor = 5 if w["worker"] == 0 else 1
+      assert factor * 0.1 * w["qps"] / 64 <= w["in_step_fraction"] * 1.001 + 1e-3, w
+      assert w["in_step_fraction"] <= 1.2, w
+  assert slow["in_step_fraction"] > max(w["in_step_fraction"] for w in fast) + 0.2, held
 
 
 def test_async_tuned_has_its_own_optimizer_and_batch_and_inherits_a_sync_model(tmp_path):

@@ -497,10 +497,12 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
       wall, steps_measured = t1 - warm_time, epochs * epoch_steps(config) - warm_steps
       for w, w0 in zip(worker_stats, warm_workers):
         w["measured_steps"] = w["steps"] - w0["steps"]
+        w["measured_in_step_seconds"] = _in_step_seconds(w) - _in_step_seconds(w0)
     else:
       wall, steps_measured = t1 - t0, epochs * epoch_steps(config)
       for w in worker_stats:
         w["measured_steps"] = w["steps"]
+        w["measured_in_step_seconds"] = _in_step_seconds(w)
     stats = _optimizer_stats(job.optimizer)
     stats["hop_bs"] = strategy.hop_bs_stats()
     stats["hop_bw"] = strategy.hop_bw_stats()
@@ -578,6 +580,11 @@ def _add_data_list(summary: dict, report: dict, config: TrainConfig) -> None:
   summary["missed"] = report["missed"]
 
 
+def _in_step_seconds(worker: dict) -> float:
+  """Seconds `worker` spent inside its steps: its own compute and the injected delay."""
+  return worker.get("busy_seconds", 0.0) + worker.get("delay_seconds", 0.0)
+
+
 def _log_fields(config: TrainConfig) -> dict:
   return {"logs": config.log_dir, "logs_kept": config.keep_logs} if config.log_dir else {}
 
@@ -598,6 +605,10 @@ def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, s
   sparse = stats["sparse"] or {}
   per_worker = [{"worker": w["worker"], "steps": w["steps"],
                  "qps": w["measured_steps"] * config.local_batch_size / wall,
+                 # The rest of the measured wall time the worker was between steps: the step's
+                 # dispatch and result, its input read, a barrier's wait (Hop-BS, Hop-BW), and the
+                 # wait at each epoch's end.
+                 "in_step_fraction": round(w.get("measured_in_step_seconds", 0.0) / wall, 4),
                  "injected_delay_seconds": round(w["delay_seconds"], 3)} for w in worker_stats]
   hop_bs = stats.get("hop_bs")
   if hop_bs:
