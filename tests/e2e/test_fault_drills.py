@@ -210,7 +210,10 @@ def _resumed_run(mode, model_dir, deadline, kill):
   return run, summary
 
 
-@pytest.mark.parametrize("mode", ["gba", "async"])
+# The parameter server and coordinator drills run GBA only: every parameter-server mode resumes
+# through the same code (scaled by its M), and async's own case (M = 1, where a worker step run
+# twice is a global step) is the killed worker's drill.
+@pytest.mark.parametrize("mode", ["gba"])
 def test_killed_parameter_server_resumes_from_the_last_checkpoint(tmp_path, tmp_path_factory,
                                                                   mode):
   reference = _undisturbed(mode, tmp_path_factory)
@@ -225,7 +228,7 @@ def test_killed_parameter_server_resumes_from_the_last_checkpoint(tmp_path, tmp_
   _check_finished(summary, mode, reference)
 
 
-@pytest.mark.parametrize("mode", ["gba", "async"])
+@pytest.mark.parametrize("mode", ["gba"])
 def test_killed_coordinator_resumes_when_the_command_is_rerun(tmp_path, tmp_path_factory, mode):
   reference = _undisturbed(mode, tmp_path_factory)
   model_dir = str(tmp_path / "m")
