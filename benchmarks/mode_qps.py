@@ -75,8 +75,9 @@ def ps_limit_qps(profile: str, num_workers: int, local_batch_size: int) -> Optio
 
 def _in_step(summary: dict) -> Optional[float]:
   """The workers' mean share of the measured time spent inside a step (compute and injected
-  delay): what a mode that never waits loses to per-step dispatch and input reads. None where
-  the run does not report it (the collective modes)."""
+  delay): the rest is what a mode that never waits loses to per-step dispatch, input reads and
+  the wait at each logging interval's end. None where the run does not report it (the
+  collective modes)."""
   shares = [w["in_step_fraction"] for w in summary["per_worker"] if "in_step_fraction" in w]
   return statistics.mean(shares) if shares else None
 
