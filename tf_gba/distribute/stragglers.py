@@ -171,6 +171,12 @@ def worker_step_stats(num_workers: int) -> List[dict]:
   return out
 
 
+def in_step_seconds(stats: dict) -> float:
+  """Seconds a worker spent inside its steps, from its step counters (`worker_step_stats`): its
+  own compute and the injected delay."""
+  return stats["busy_seconds"] + stats["delay_seconds"]
+
+
 def set_positions(steps, elapsed_ns) -> None:
   """Sets each worker's straggler position (from the coordinator, eagerly): worker i's next step
   draws as step steps[i], and its trace clock reads elapsed_ns[i] (a resumed run's checkpoint)."""

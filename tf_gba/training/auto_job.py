@@ -28,6 +28,7 @@ from typing import List, Optional
 import numpy as np
 import tf_keras as keras
 
+from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.training import auto_policy
 from tf_gba.training import summary as summary_lib
 from tf_gba.training.config import TrainConfig
@@ -73,7 +74,7 @@ class AutoWatch(keras.callbacks.Callback):
     now = time.time()
     workers = self.job.strategy.worker_step_stats()
     steps = np.array([w["steps"] for w in workers], np.float64)
-    own = np.array([w["busy_seconds"] + w["delay_seconds"] for w in workers], np.float64)
+    own = np.array([stragglers_lib.in_step_seconds(w) for w in workers], np.float64)
     last, self._last = self._last, (now, steps, own)
     if last is None:
       return  # the first interval pays for tracing and start-up: not an observation

@@ -497,12 +497,13 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
       wall, steps_measured = t1 - warm_time, epochs * epoch_steps(config) - warm_steps
       for w, w0 in zip(worker_stats, warm_workers):
         w["measured_steps"] = w["steps"] - w0["steps"]
-        w["measured_in_step_seconds"] = _in_step_seconds(w) - _in_step_seconds(w0)
+        w["measured_in_step_seconds"] = (stragglers_lib.in_step_seconds(w)
+                                          - stragglers_lib.in_step_seconds(w0))
     else:
       wall, steps_measured = t1 - t0, epochs * epoch_steps(config)
       for w in worker_stats:
         w["measured_steps"] = w["steps"]
-        w["measured_in_step_seconds"] = _in_step_seconds(w)
+        w["measured_in_step_seconds"] = stragglers_lib.in_step_seconds(w)
     stats = _optimizer_stats(job.optimizer)
     stats["hop_bs"] = strategy.hop_bs_stats()
     stats["hop_bw"] = strategy.hop_bw_stats()
@@ -578,11 +579,6 @@ def _add_data_list(summary: dict, report: dict, config: TrainConfig) -> None:
     summary["examples"] = report["examples"]
   summary["duplicates"] = report["duplicates"]
   summary["missed"] = report["missed"]
-
-
-def _in_step_seconds(worker: dict) -> float:
-  """Seconds `worker` spent inside its steps: its own compute and the injected delay."""
-  return worker.get("busy_seconds", 0.0) + worker.get("delay_seconds", 0.0)
 
 
 def _log_fields(config: TrainConfig) -> dict:

@@ -318,7 +318,7 @@ def run_worker(config: dict, auto: dict = None) -> dict:
         f"loss {final_loss:.4f}  QPS {qps:,.0f}")
     if policy is not None and step < total:
       own = _step_stats()
-      own_now = (own["steps"], own["busy_seconds"] + own["delay_seconds"])
+      own_now = (own["steps"], stragglers_lib.in_step_seconds(own))
       # The chief's clock for every worker: the decision must be the same everywhere.
       rows = gather([own_now[0] - (own_last or own_now)[0], own_now[1] - (own_last or own_now)[1],
                      now - begin])
