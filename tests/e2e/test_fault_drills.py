@@ -205,7 +205,8 @@ def _resumed_run(mode, model_dir, deadline, kill):
   assert run.finish(deadline) == 0, "".join(run.err)[-3000:]
   assert "resuming an interrupted run (restart 1)" in "".join(run.out)
   summary = _summary(model_dir)
-  assert summary["restarts"] == 1
+  # With what the run printed: a second restart says which loss or stall caused it.
+  assert summary["restarts"] == 1, ("".join(run.out)[-3000:], "".join(run.err)[-3000:])
   assert summary["start_global_step"] > 0  # from a periodic checkpoint, not from scratch
   return run, summary
 
