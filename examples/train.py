@@ -332,6 +332,7 @@ def _entry(argv):
     if _debug():
       raise
     print(f"train.py: {e}", file=sys.stderr, flush=True)
+    recovery.record_failure(FLAGS.model_dir, e)  # the resumed run's summary says why
     sys.stdout.flush()
     _end_logs(keep=False)
     os._exit(recovery.EXIT_RESTART)  # pylint: disable=protected-access

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -162,8 +163,8 @@ def _check_finished(summary, mode, reference, rerun_steps=0):
   assert summary["target_global_step"] == _STEPS // m
   assert 0 <= summary["global_step"] - summary["target_global_step"] <= rerun_steps // m, (
       summary["global_step"], summary["target_global_step"])
-  # At most one checkpoint interval (in global steps) trained again.
-  assert summary["steps_redone"] <= _CHECKPOINT_EVERY // m
+  # At most one checkpoint interval (in global steps) trained again, per restart.
+  assert summary["steps_redone"] <= _CHECKPOINT_EVERY // m * max(1, summary["restarts"])
   assert summary["batches_reread"] == summary["steps_redone"] * m
   # Within noise of the undisturbed run (the same seed; only the order of pushes differs).
   assert abs(summary["eval_auc"] - reference["eval_auc"]) < 0.03, (summary["eval_auc"],
@@ -188,7 +189,11 @@ def test_killed_worker_is_restarted_and_the_run_goes_on(tmp_path, tmp_path_facto
   os.kill(_server(run.proc.pid, "worker", 0), signal.SIGKILL)
   assert run.finish(deadline) == 0, "".join(run.err)[-3000:]
   summary = _summary(model_dir)
-  assert summary["worker_restarts"] >= 1 and summary["restarts"] == 0
+  # A worker is started again in place: the job goes on without a restart of its own (other
+  # than for a fault of TF's runtime, see _resumed_run).
+  assert summary["worker_restarts"] >= 1
+  assert set(summary["restart_causes"]) <= set(_RUNTIME_CAUSES)
+  assert summary["restarts"] == _runtime_faults(summary, run), "".join(run.err)[-3000:]
   # ParameterServerStrategy runs the step a killed worker was running again on its restarted
   # process: when the worker died after that step's push reached the parameter server, the
   # push happens again, with the next batch of the list. So one worker step per restart may run
@@ -196,17 +201,39 @@ def test_killed_worker_is_restarted_and_the_run_goes_on(tmp_path, tmp_path_facto
   _check_finished(summary, mode, reference, rerun_steps=summary["worker_restarts"])
 
 
-def _resumed_run(mode, model_dir, deadline, kill):
+# Restarts no kill of a drill causes: a request a server received unreadable, or a call that never
+# returned (the stall watchdog), both seen intermittently inside TF's runtime under load.
+_RUNTIME_CAUSES = ("RuntimeFault", "Stalled")
+
+
+def _runtime_faults(summary, run):
+  """The restarts the job took for a fault of TF's runtime (_RUNTIME_CAUSES): each is reported
+  as a warning, so that a run that needed one shows in the suite's summary."""
+  faults = sum(summary["restart_causes"].count(c) for c in _RUNTIME_CAUSES)
+  if faults:
+    warnings.warn(f"{faults} restart(s) after a fault inside TensorFlow's runtime: "
+                  + " | ".join(l.strip() for l in run.err if "restart" not in l and l.strip()))
+  return faults
+
+
+def _resumed_run(mode, model_dir, deadline, kill, cause):
   """Runs the binary to worker step 140, calls `kill(run)`, and returns the finished (or rerun)
-  job's summary after checking that it resumed once from a periodic checkpoint."""
+  job's summary after checking that the kill made it resume once from a periodic checkpoint.
+  `cause`: the class of the loss the job records for the kill (None: the coordinator itself was
+  killed, and records nothing)."""
   run = _Run(mode, model_dir)
   run.wait_for("step 140/", deadline)
   run = kill(run) or run
   assert run.finish(deadline) == 0, "".join(run.err)[-3000:]
   assert "resuming an interrupted run (restart 1)" in "".join(run.out)
   summary = _summary(model_dir)
-  # With what the run printed: a second restart says which loss or stall caused it.
-  assert summary["restarts"] == 1, ("".join(run.out)[-3000:], "".join(run.err)[-3000:])
+  # One restart for the kill, recorded as that loss. Any other must be a recorded fault of TF's
+  # runtime; with what the run printed, a restart of any other cause (a second loss) says what it
+  # was.
+  context = ("".join(run.out)[-3000:], "".join(run.err)[-3000:])
+  assert [c for c in summary["restart_causes"] if c not in _RUNTIME_CAUSES] == (
+      [cause] if cause else []), (summary["restart_causes"], context)
+  assert summary["restarts"] == 1 + _runtime_faults(summary, run), context
   assert summary["start_global_step"] > 0  # from a periodic checkpoint, not from scratch
   return run, summary
 
@@ -223,7 +250,7 @@ def test_killed_parameter_server_resumes_from_the_last_checkpoint(tmp_path, tmp_
   def kill_ps(run):
     os.kill(_server(run.proc.pid, "ps", 0), signal.SIGKILL)
 
-  run, summary = _resumed_run(mode, str(tmp_path / "m"), deadline, kill_ps)
+  run, summary = _resumed_run(mode, str(tmp_path / "m"), deadline, kill_ps, "ParameterServerLost")
   err = "".join(run.err)
   assert "ps:0 died or became unreachable" in err and "restarting the job" in err
   _check_finished(summary, mode, reference)
@@ -245,7 +272,7 @@ def test_killed_coordinator_resumes_when_the_command_is_rerun(tmp_path, tmp_path
     assert not any(_alive(p) for p in tree)
     return _Run(mode, model_dir)  # the same command again
 
-  _, summary = _resumed_run(mode, model_dir, deadline, kill_coordinator)
+  _, summary = _resumed_run(mode, model_dir, deadline, kill_coordinator, None)
   _check_finished(summary, mode, reference)
 
 
@@ -265,13 +292,14 @@ def test_replicated_modes_resume_from_the_last_checkpoint_after_a_lost_server(
   def kill(run):
     os.kill(_server(run.proc.pid, job, 0), signal.SIGKILL)
 
-  run, summary = _resumed_run(mode, str(tmp_path / "m"), deadline, kill)
+  cause = {"worker": "WorkerLost", "ps": "ParameterServerLost"}[job]
+  run, summary = _resumed_run(mode, str(tmp_path / "m"), deadline, kill, cause)
   err = "".join(run.err)
   assert f"{job}:0 died or became unreachable" in err and "restarting the job" in err
-  # Nothing else on stderr: the loss is said once.
-  assert len([l for l in run.err if l.strip()]) == 2, err
+  # Nothing else on stderr: each loss is said once (and the restart that follows it).
+  assert len([l for l in run.err if l.strip()]) == 2 * summary["restarts"], err
   assert summary["target_global_step"] == summary["global_step"] == _STEPS
-  assert 0 < summary["steps_redone"] <= _CHECKPOINT_EVERY + 2
+  assert 0 < summary["steps_redone"] <= (_CHECKPOINT_EVERY + 2) * summary["restarts"]
   assert summary["periodic_checkpoints"] >= 1
   assert abs(summary["eval_auc"] - reference["eval_auc"]) < 0.03, (summary["eval_auc"],
                                                                   reference["eval_auc"])

@@ -113,7 +113,16 @@ def test_a_run_in_which_no_step_starts_ends_for_a_restart(tmp_path):
   # the last checkpoint) instead of waiting forever.
   cfg = config(tmp_path, "asgd_nodelay", steps=200, asgd_tau=2, shadow_sync_delay_ms=20000,
                stall_timeout_s=2.0)
-  with pytest.raises(recovery.JobLost, match="stall_timeout_s"):
+  with pytest.raises(recovery.Stalled, match="stall_timeout_s"):
+    train(cfg)
+
+
+def test_a_run_whose_last_claimed_steps_do_not_finish_ends_for_a_restart(tmp_path):
+  # Every step lasts 4 s (a compute floor). After the warm-up step of each worker, the two
+  # threads claim the last two steps of the budget at once: no step finishes for more than the
+  # 1.5 s stall limit, which must end the job even though no step is left to start.
+  cfg = config(tmp_path, "shadow_ma", steps=4, stragglers="compute:4000", stall_timeout_s=1.5)
+  with pytest.raises(recovery.Stalled, match="no worker finished a step"):
     train(cfg)
 
 

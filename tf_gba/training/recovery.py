@@ -15,7 +15,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -41,6 +41,23 @@ class WorkerLost(JobLost):
   checkpoint."""
 
 
+class Stalled(JobLost):
+  """No worker finished a step for --stall_timeout_s: a call that never returns holds the job,
+  which resumes from the last checkpoint."""
+
+
+class RuntimeFault(JobLost):
+  """A call between the job's processes failed inside TensorFlow's runtime, no process lost: the
+  job's state may be partly updated by the failed call, so it resumes from the last checkpoint."""
+
+
+# Failures of TF's runtime itself, seen intermittently while several threads of one coordinator
+# call remote functions (the replicated modes' driver and synchroniser threads, the
+# ClusterCoordinator's workers): the server received the request unreadable. Nothing of the
+# job's code or input is in the traceback, and the same run started again trains on.
+_RUNTIME_FAULTS = ("Unable to parse request",)
+
+
 # What each job's loss takes with it, for the message.
 _LOST = {"ps": (ParameterServerLost, "a parameter server", "its variables are lost"),
          "worker": (WorkerLost, "a worker", "its dense replica is lost")}
@@ -49,7 +66,7 @@ _LOST = {"ps": (ParameterServerLost, "a parameter server", "its variables are lo
 def raise_if_lost(error: Exception, cluster, jobs: Sequence[str] = ("ps",)) -> None:
   """Raises the JobLost of the first of `jobs` ("ps", "worker") that `error` comes from: a
   server of the local `cluster` (None on a real cluster) that exited, or an unreachable-server
-  error naming that job."""
+  error naming that job; else a RuntimeFault for one of TF's own transient failures."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   text = str(error)
   unreachable = isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError,
@@ -70,6 +87,19 @@ def raise_if_lost(error: Exception, cluster, jobs: Sequence[str] = ("ps",)) -> N
       raise cls(f"{what} died or became unreachable ({type(error).__name__}); {lost}. Rerun "
                 "the same command (once every server is back) to resume from the last "
                 "checkpoint in model_dir.") from error
+  fault = next((f for f in _RUNTIME_FAULTS if f in text), None)
+  if isinstance(error, tf.errors.InternalError) and fault:
+    raise RuntimeFault(f"a call between the job's processes failed inside TensorFlow's runtime "
+                       f"(InternalError: {fault}; no process died). Rerun the same command to "
+                       "resume from the last checkpoint in model_dir.") from error
+
+
+def root_error(errors: Sequence[BaseException]) -> BaseException:
+  """Of the errors several threads met in one failure, the one that caused it: a failed
+  multi-device call cancels its other parts, and a thread waiting on one of them meets only a
+  CancelledError (naming the server it waited on, which did not die)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return next((e for e in errors if not isinstance(e, tf.errors.CancelledError)), errors[0])
 
 
 class CheckpointSchedule:
@@ -99,6 +129,9 @@ class Progress:
   restarts: int = 0          # resumptions of this run after a failure
   steps_redone: int = 0      # global steps trained again after the resumptions (at least)
   resumed: bool = False
+  # Why the failed runs ended, as each recorded it (`record_failure`): a JobLost's class name.
+  # A process killed outright (the coordinator) records nothing.
+  restart_causes: List[str] = dataclasses.field(default_factory=list)
 
 
 def _path(model_dir: str) -> str:
@@ -131,7 +164,8 @@ def begin(model_dir: str, mode: str, steps: int, start_global_step: int,
     redone = max(0, int(prev.get("global_step", start_global_step)) - start_global_step)
     progress = Progress(int(prev["target_global_step"]), start_global_step,
                         int(prev.get("restarts", 0)) + 1,
-                        int(prev.get("steps_redone", 0)) + redone, resumed=True)
+                        int(prev.get("steps_redone", 0)) + redone, resumed=True,
+                        restart_causes=[str(c) for c in prev.get("restart_causes", [])])
   else:
     progress = Progress(target_if_new, start_global_step)
     # A new run: the last run's record of trained batches is not this run's.
@@ -144,8 +178,19 @@ def begin(model_dir: str, mode: str, steps: int, start_global_step: int,
                      "restarts": progress.restarts, "steps_redone": progress.steps_redone,
                      "finished": False,
                      "batches_reread": int(prev.get("batches_reread", 0))
-                                       if progress.resumed else 0})
+                                       if progress.resumed else 0,
+                     "restart_causes": progress.restart_causes})
   return progress
+
+
+def record_failure(model_dir: str, error: JobLost) -> None:
+  """Records why this run ends for a restart (the error's class: ParameterServerLost, WorkerLost,
+  RuntimeFault, Stalled), for the resumed run's summary."""
+  record = read(model_dir)
+  if record is None or record.get("finished"):
+    return
+  record["restart_causes"] = list(record.get("restart_causes", [])) + [type(error).__name__]
+  _write(model_dir, record)
 
 
 def add_batches_reread(model_dir: str, batches: int) -> int:

@@ -526,6 +526,7 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     summary.update(_log_fields(config))
     summary.update({
         "target_global_step": resume.target_global_step, "restarts": resume.restarts,
+        "restart_causes": resume.restart_causes,
         "steps_redone": resume.steps_redone,
         # Worker batches computed again: with the shared list counted from the batch ids (since
         # the last progress line of the failed run, as steps_redone); otherwise those of the

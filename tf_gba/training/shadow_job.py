@@ -613,15 +613,20 @@ class _Monitor:
   any asynchronous mode's), and the embeddings are saved from the parameter servers as they are.
   """
 
-  def __init__(self, cfg, rm: ReplicatedModel, budget: rt.StepBudget, losses, save):
+  def __init__(self, cfg, rm: ReplicatedModel, budget: rt.StepBudget, counters: rt.StepCounters,
+               losses, save):
     self.cfg, self.rm, self.budget, self.losses, self.save = cfg, rm, budget, losses, save
+    self.counters = counters
     self.t0 = time.time()
     self.next_log = cfg.log_every
     self.schedule = recovery.CheckpointSchedule(cfg.checkpoint_every_steps,
                                                 cfg.checkpoint_every_secs)
     self.checkpoints = 0
     self.wake = threading.Event()  # set by the step that reaches a progress or checkpoint point
-    self.last_taken, self.last_progress = budget.taken, time.time()
+    self.last_done, self.last_progress = self._done(), time.time()
+
+  def _done(self) -> int:
+    return sum(self.counters[i] for i in range(len(self.losses)))
 
   def step_done(self) -> None:
     """After a worker step (its driver thread): wakes `tick` at a progress or checkpoint point,
@@ -632,18 +637,21 @@ class _Monitor:
 
   def tick(self) -> None:
     cfg, taken = self.cfg, self.budget.taken
-    if taken >= self.budget.total:
-      return  # the run's last checkpoint and line follow
     now = time.time()
-    if taken != self.last_taken:
-      self.last_taken, self.last_progress = taken, now
+    # Counted in steps finished, not claimed: the last steps of the budget are all claimed at
+    # once, and a call among them that never returns (a server that stopped answering without
+    # closing its socket, or a hang inside TF's runtime) would otherwise hold the job forever.
+    # A restart resumes from the last checkpoint.
+    done = self._done()
+    if done != self.last_done:
+      self.last_done, self.last_progress = done, now
     elif now - self.last_progress > cfg.stall_timeout_s:
-      # A call that never returns (a server that stopped answering without closing its
-      # socket) would hold the job forever; a restart resumes from the last checkpoint.
-      raise recovery.JobLost(
-          f"no worker started a step for {cfg.stall_timeout_s:.0f} s (--stall_timeout_s): a "
+      raise recovery.Stalled(
+          f"no worker finished a step for {cfg.stall_timeout_s:.0f} s (--stall_timeout_s): a "
           "worker or parameter server stopped answering. Rerun the same command to resume from "
           "the last checkpoint in model_dir.")
+    if taken >= self.budget.total:
+      return  # the run's last checkpoint and line follow
     if cfg.log_every and taken >= self.next_log:
       self.next_log = (taken // cfg.log_every + 1) * cfg.log_every
       global_step = int(self.rm.optimizer.iterations.numpy())
@@ -749,7 +757,7 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
     rm.snapshot()
     return manager.save(checkpoint_number=int(rm.saved_optimizer.iterations.numpy()))
 
-  monitor = _Monitor(cfg, rm, budget, losses, save)
+  monitor = _Monitor(cfg, rm, budget, counters, losses, save)
 
   def run_step_and_report(i):
     run_step(i)
@@ -760,7 +768,7 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
                             before_step=coordination.before_step if coordination else None,
                             timeout_s=timeout_s, on_tick=monitor.tick, wake=monitor.wake)
   except Exception as e:  # pylint: disable=broad-except
-    recovery.raise_if_lost(e, cluster, jobs=("ps", "worker"))
+    recovery.raise_if_lost(recovery.root_error(errors + [e]), cluster, jobs=("ps", "worker"))
     raise
   finally:
     stop.set()
@@ -768,8 +776,9 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
     for t in syncers:
       t.join(max(0.0, deadline - time.time()))
   if errors:
-    recovery.raise_if_lost(errors[0], cluster, jobs=("ps", "worker"))
-    raise errors[0]
+    root = recovery.root_error(errors)
+    recovery.raise_if_lost(root, cluster, jobs=("ps", "worker"))
+    raise root
   spread_before_final = rm.spread()
   # Kept for inspection: the final model must be their average.
   rm.before_final = [[v.numpy() for v in dense] for dense in rm.replica_dense]
@@ -809,6 +818,7 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
       replica_spread_after_final_sync=spread_after_final,
       sync=log.summary(), periodic_checkpoints=monitor.checkpoints,
       target_global_step=resume.target_global_step, restarts=resume.restarts,
+      restart_causes=resume.restart_causes,
       steps_redone=resume.steps_redone, batches_reread=resume.steps_redone,
       worker_restarts=0)
   if cfg.mode in SHADOW_MODES:

@@ -43,7 +43,7 @@ RUN_FIELDS = frozenset({
     "malformed_rows", "data_rows_checked", "data_fully_checked",       # preflight data scan
     "input", "data_list", "duplicates", "missed",                      # the shared data list
     "skipped_checkpoints", "periodic_checkpoints",                     # checkpoints
-    "target_global_step", "restarts", "steps_redone", "batches_reread",
+    "target_global_step", "restarts", "restart_causes", "steps_redone", "batches_reread",
     "worker_restarts", "tfdata_worker_restarts",                       # recovery
     "logs", "logs_kept",                                               # --keep_logs
 })
@@ -116,7 +116,9 @@ def print_summary(s: dict) -> None:
       f"  eval AUC              {s['eval_auc']:.4f}",
       f"  eval logloss          {s['eval_logloss']:.4f}",
       f"  checkpoint            {s['checkpoint']}",
-      *([f"  recovery              {s['restarts']} restarts, {s['steps_redone']} global steps "
+      *([f"  recovery              {s['restarts']} restarts"
+         + (f" ({', '.join(s['restart_causes'])})" if s.get("restart_causes") else "")
+         + f", {s['steps_redone']} global steps "
          f"redone ({s['batches_reread']} batches re-read), {s['worker_restarts']} workers "
          f"and {s.get('tfdata_worker_restarts', 0)} tf.data workers restarted"]
         if s.get("restarts") or s.get("worker_restarts") or s.get("tfdata_worker_restarts")

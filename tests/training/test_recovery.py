@@ -1,0 +1,68 @@
+"""recovery: which failures restart a job, and what the resumed run records about them."""
+
+import pytest
+import tensorflow as tf
+
+from tf_gba.training import recovery
+
+_PARSE = ("Graph execution error:\n2 root error(s) found.\n  (0) INTERNAL:  Unable to parse request\n"
+          "Additional GRPC error information from remote target /job:worker/replica:0/task:1/"
+          "device:CPU:0 while calling /tensorflow.eager.EagerService/RunComponentFunction")
+
+
+def _error(cls, text):
+  return cls(None, None, text)
+
+
+def test_an_unreadable_request_restarts_the_job_as_a_runtime_fault():
+  with pytest.raises(recovery.RuntimeFault, match="inside TensorFlow's runtime .*Unable to parse"):
+    recovery.raise_if_lost(_error(tf.errors.InternalError, _PARSE), None, jobs=("ps", "worker"))
+  # It is a JobLost: the binary restarts the job from its last checkpoint.
+  assert issubclass(recovery.RuntimeFault, recovery.JobLost)
+
+
+def test_other_internal_errors_are_not_restarted():
+  # A bug of the job's own (or a bad input) must fail the run, not loop through restarts.
+  recovery.raise_if_lost(_error(tf.errors.InternalError, "something else on /job:worker"), None,
+                         jobs=("ps", "worker"))
+  recovery.raise_if_lost(_error(tf.errors.InvalidArgumentError, "Unable to parse request"),
+                         None, jobs=("ps", "worker"))
+
+
+def test_an_unreachable_server_is_named_by_its_job():
+  with pytest.raises(recovery.WorkerLost, match="a worker died or became unreachable"):
+    recovery.raise_if_lost(_error(tf.errors.UnavailableError, "Socket closed /job:worker/task:0"),
+                           None, jobs=("ps", "worker"))
+  # A job outside `jobs` (a parameter-server mode restarts its workers in place) is not a loss.
+  recovery.raise_if_lost(_error(tf.errors.UnavailableError, "Socket closed /job:worker/task:0"),
+                         None, jobs=("ps",))
+
+
+def test_the_root_error_is_the_first_that_was_not_a_cancellation():
+  cancelled = _error(tf.errors.CancelledError, "RecvFromRemoteAsync is cancelled /job:worker")
+  parse = _error(tf.errors.InternalError, _PARSE)
+  assert recovery.root_error([cancelled, parse]) is parse
+  assert recovery.root_error([cancelled]) is cancelled
+  # Classified from the cancellation alone, the fault would read as a lost worker.
+  with pytest.raises(recovery.RuntimeFault):
+    recovery.raise_if_lost(recovery.root_error([cancelled, parse]), None, jobs=("ps", "worker"))
+
+
+def test_the_causes_of_restarts_reach_the_resumed_run(tmp_path):
+  d = str(tmp_path)
+  first = recovery.begin(d, "gba", 400, 0, target_if_new=100)
+  assert not first.resumed and first.restart_causes == []
+  recovery.record_failure(d, recovery.WorkerLost("w"))
+  second = recovery.begin(d, "gba", 400, 20, target_if_new=120)
+  assert second.resumed and second.restarts == 1 and second.restart_causes == ["WorkerLost"]
+  recovery.record_failure(d, recovery.RuntimeFault("r"))
+  # A killed coordinator records nothing: its restart is counted without a cause.
+  third = recovery.begin(d, "gba", 400, 40, target_if_new=140)
+  fourth = recovery.begin(d, "gba", 400, 40, target_if_new=140)
+  assert third.restart_causes == fourth.restart_causes == ["WorkerLost", "RuntimeFault"]
+  assert (third.restarts, fourth.restarts) == (2, 3)
+  # A finished run: the next one is new, with no causes, and records none after the end.
+  recovery.report(d, 100, finished=True)
+  recovery.record_failure(d, recovery.JobLost("late"))
+  new = recovery.begin(d, "gba", 400, 100, target_if_new=200)
+  assert not new.resumed and new.restart_causes == [] and new.restarts == 0
