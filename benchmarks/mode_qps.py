@@ -78,7 +78,8 @@ def _in_step(summary: dict) -> Optional[float]:
   delay): the rest is what a mode that never waits loses to per-step dispatch, input reads and
   the wait at each logging interval's end. None where the run does not report it (the
   collective modes)."""
-  shares = [w["in_step_fraction"] for w in summary["per_worker"] if "in_step_fraction" in w]
+  shares = [w["in_step_fraction"] for w in summary["per_worker"]
+            if w.get("in_step_fraction") is not None]
   return statistics.mean(shares) if shares else None
 
 
@@ -197,7 +198,7 @@ def main(argv=None):
       print(f"| {profile} | {mode} | {qps:,.0f} | {f'{limit:,.0f}' if limit else '-'} | "
             f"{ratio(row['vs_limit'])} | {ratio(row['vs_sync'])} | "
             f"{ratio(row['vs_async'])} | {ratio(row['vs_gba'])} | "
-            f"{' '.join(f'{q:,.0f}' for q in row['per_worker_qps'])} | "
+            f"{' '.join('?' if q is None else f'{q:,.0f}' for q in row['per_worker_qps'])} | "
             f"{ratio(row['in_step_fraction'])} | "
             f"{row['mean_staleness']:.2f} / {row['max_staleness']} | {row['dropped_batches']} | "
             f"{row['blocked_seconds']:.1f} | {row['eval_auc']:.4f} |")

@@ -194,6 +194,10 @@ def test_killed_worker_is_restarted_and_the_run_goes_on(tmp_path, tmp_path_facto
   assert summary["worker_restarts"] >= 1
   assert set(summary["restart_causes"]) <= set(_RUNTIME_CAUSES)
   assert summary["restarts"] == _runtime_faults(summary, run), "".join(run.err)[-3000:]
+  # The restarted worker's rate over the run is unknown (its new process counted from zero);
+  # the others' are measured.
+  rates = [w["qps"] for w in summary["per_worker"]]
+  assert rates[0] is None and all(q > 0 for q in rates[1:]), rates
   # ParameterServerStrategy runs the step a killed worker was running again on its restarted
   # process: when the worker died after that step's push reached the parameter server, the
   # push happens again, with the next batch of the list. So one worker step per restart may run

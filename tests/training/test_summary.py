@@ -49,6 +49,27 @@ def test_ps_summary_values():
   assert (s["eval_auc"], s["eval_logloss"], s["eval_examples"]) == (0.6, 0.7, 100)
 
 
+def test_a_restarted_worker_is_not_measured_and_the_restarts_say_why(capsys):
+  stats = {"global_step": 5, "dense": None, "dense_all_variables": None, "sparse": None}
+  workers = [{"worker": 0, "steps": 3, "measured_steps": None, "measured_in_step_seconds": None,
+              "delay_seconds": 0.0, "unreachable": True},
+             {"worker": 1, "steps": 9, "measured_steps": 8, "measured_in_step_seconds": 1.5,
+              "delay_seconds": 0.0}]
+  s = runner._summary(  # pylint: disable=protected-access
+      TrainConfig(mode="gba", steps=20), types.SimpleNamespace(num_ps=1, num_workers=2),
+      types.SimpleNamespace(history={"loss": [0.5]}), stats, workers,
+      {"auc": 0.6, "logloss": 0.7, "examples": 100}, 2.0, 16, 3.0, 1, "ckpt-5")
+  assert [(w["qps"], w["in_step_fraction"]) for w in s["per_worker"]] == [
+      (None, None), (8 * 256 / 2.0, 0.75)]
+  s.update(restarts=2, restart_causes=["WorkerLost", "RuntimeFault"], steps_redone=3,
+           batches_reread=12, worker_restarts=1, tfdata_worker_restarts=0)
+  assert summary_lib.unknown_keys(s) == []
+  summary_lib.print_summary(s)
+  out = capsys.readouterr().out
+  assert "w0=?  w1=1,024  (?: restarted, not measured)" in out
+  assert "recovery              2 restarts (WorkerLost, RuntimeFault), 3 global steps" in out
+
+
 def test_sync_summary_defaults_are_those_of_a_synchronous_run():
   s = _sync_summary()
   assert (s["mode"], s["num_ps"], s["num_aggregate"], s["global_batch_size"]) == (

@@ -499,11 +499,20 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
         w["measured_steps"] = w["steps"] - w0["steps"]
         w["measured_in_step_seconds"] = (stragglers_lib.in_step_seconds(w)
                                           - stragglers_lib.in_step_seconds(w0))
+        if w0.get("unreachable") or (w0["first_step_unix"] and
+                                     w["first_step_unix"] != w0["first_step_unix"]):
+          w["restarted"] = True  # another process than at the warm read (its first step differs)
     else:
       wall, steps_measured = t1 - t0, epochs * epoch_steps(config)
       for w in worker_stats:
         w["measured_steps"] = w["steps"]
         w["measured_in_step_seconds"] = stragglers_lib.in_step_seconds(w)
+    for w in worker_stats:
+      if w.get("unreachable") or w.get("restarted"):
+        # A worker restarted during the run: its new process counts from zero, and one that
+        # could not be read reads as zeros, so its rate over the window is unknown (not the
+        # difference of two unrelated counts).
+        w["measured_steps"] = w["measured_in_step_seconds"] = None
     stats = _optimizer_stats(job.optimizer)
     stats["hop_bs"] = strategy.hop_bs_stats()
     stats["hop_bw"] = strategy.hop_bw_stats()
@@ -516,7 +525,8 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     if shared is not None:
       # Only steps that trained a batch run the strategy's step and count on their worker;
       # the no-op reads at the end of the list do not.
-      steps_measured = sum(w["measured_steps"] for w in worker_stats)
+      if all(w["measured_steps"] is not None for w in worker_stats):
+        steps_measured = sum(w["measured_steps"] for w in worker_stats)
     summary = _summary(config, strategy, history, stats, worker_stats, evaluation, wall,
                        steps_measured, t1 - t0, start_step, saved)
     if shared is not None:
@@ -601,11 +611,13 @@ def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, s
   dense_all = stats["dense_all_variables"] or {}
   sparse = stats["sparse"] or {}
   per_worker = [{"worker": w["worker"], "steps": w["steps"],
-                 "qps": w["measured_steps"] * config.local_batch_size / wall,
+                 "qps": (None if w["measured_steps"] is None
+                         else w["measured_steps"] * config.local_batch_size / wall),
                  # The rest of the measured wall time the worker was between steps: the step's
                  # dispatch and result, its input read, a barrier's wait (Hop-BS, Hop-BW), and the
                  # wait at each epoch's end.
-                 "in_step_fraction": round(w.get("measured_in_step_seconds", 0.0) / wall, 4),
+                 "in_step_fraction": (None if w.get("measured_in_step_seconds") is None
+                                      else round(w["measured_in_step_seconds"] / wall, 4)),
                  "injected_delay_seconds": round(w["delay_seconds"], 3)} for w in worker_stats]
   hop_bs = stats.get("hop_bs")
   if hop_bs:

@@ -92,8 +92,11 @@ def print_summary(s: dict) -> None:
       f"{s['examples']:,} examples in {s['wall_seconds']:.1f} s",
       f"  global QPS            {s['global_qps']:,.0f}  (over the last "
       f"{s['qps_measured_over_steps']} steps, after start-up)",
-      "  per-worker QPS        " + "  ".join(f"w{w['worker']}={w['qps']:,.0f}"
-                                           for w in s["per_worker"]),
+      "  per-worker QPS        " + "  ".join(
+          f"w{w['worker']}=" + ("?" if w["qps"] is None else f"{w['qps']:,.0f}")
+          for w in s["per_worker"])
+      + ("  (?: restarted, not measured)" if any(w["qps"] is None for w in s["per_worker"])
+         else ""),
       f"  global step           {s['global_step']} (M={s['num_aggregate']}, {s['pushes']} pushes, "
       f"started at {s['start_global_step']})",
       f"  dense staleness       mean {s['mean_staleness']:.2f}  max {s['max_staleness']}",
