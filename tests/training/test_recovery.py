@@ -1,5 +1,8 @@
 """recovery: which failures restart a job, and what the resumed run records about them."""
 
+import os
+
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -66,3 +69,24 @@ def test_the_causes_of_restarts_reach_the_resumed_run(tmp_path):
   recovery.record_failure(d, recovery.JobLost("late"))
   new = recovery.begin(d, "gba", 400, 100, target_if_new=200)
   assert not new.resumed and new.restart_causes == [] and new.restarts == 0
+
+
+def test_a_run_killed_between_its_list_counts_and_its_report_redoes_the_counted_steps(tmp_path):
+  # The killed coordinator's job goes on for up to a second: it may die after writing a
+  # progress line's list counts and before the line's report. The resumed run counts the steps
+  # redone from the counts' global step, so that they match the batches re-read.
+  d = str(tmp_path)
+  recovery.begin(d, "gba", 400, 0, target_if_new=200)
+  recovery.record_seen(d, np.array([1, 1, 0, 0]), global_step=10)
+  recovery.report(d, 10)
+  recovery.record_seen(d, np.array([1, 1, 1, 1]), global_step=20)  # killed before its report
+  resumed = recovery.begin(d, "gba", 400, 10, target_if_new=210)
+  assert resumed.steps_redone == 10
+  np.testing.assert_array_equal(recovery.read_seen(d), [1, 1, 1, 1])
+  # Without list counts (static shards) the report alone says it.
+  e = str(tmp_path / "sharded")
+  os.makedirs(e)
+  recovery.begin(e, "gba", 400, 0, target_if_new=200)
+  recovery.report(e, 30)
+  assert recovery.begin(e, "gba", 400, 20, target_if_new=220).steps_redone == 10
+  assert recovery.read_seen(e) is None

@@ -8,7 +8,6 @@ those the killed run trained after its last checkpoint, all counted from the bat
 
 import glob
 import os
-import shutil
 import signal
 import time
 
@@ -17,6 +16,7 @@ import pytest
 
 from tests.e2e import test_fault_drills as drills
 from tf_gba.data import data_list as data_list_lib
+from tf_gba.training import recovery
 
 
 def _reference_remaining(batch_order, passes, num_batches, seen):
@@ -102,9 +102,9 @@ def test_killed_coordinator_mid_day_resumes_the_days_list(tmp_path):
     time.sleep(0.5)
   assert not any(drills._alive(p) for p in tree)
   # What the killed run had trained at its last progress line (at least).
-  recorded = np.load(os.path.join(model_dir, "tf_gba_progress_seen.npy"))
+  recorded = recovery.read_seen(model_dir)
+  assert recorded is not None
   assert len(glob.glob(os.path.join(model_dir, "ckpt-*.index"))) >= 1
-  shutil.copy(os.path.join(model_dir, "tf_gba_progress_seen.npy"), str(tmp_path / "rec.npy"))
 
   rerun = _DayRun(model_dir)
   assert rerun.finish(deadline) == 0, "".join(rerun.err)[-3000:]

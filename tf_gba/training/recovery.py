@@ -23,8 +23,9 @@ import numpy as np
 # (EX_TEMPFAIL: try again).
 EXIT_RESTART = 75
 PROGRESS_FILE = "tf_gba_progress.json"
-# Per-batch trainings of the shared data list at the last progress line (see `record_seen`).
-SEEN_FILE = "tf_gba_progress_seen.npy"
+# Per-batch trainings of the shared data list at the last progress line, and the global step
+# there (see `record_seen`).
+SEEN_FILE = "tf_gba_progress_seen.npz"
 
 
 class JobLost(RuntimeError):
@@ -161,7 +162,11 @@ def begin(model_dir: str, mode: str, steps: int, start_global_step: int,
   if (prev and not prev.get("finished") and prev.get("steps") == steps and
       prev.get("mode") == mode and prev.get("target_global_step", 0) >= start_global_step):
     # The global step last reported before the failure, minus the one restored: trained again.
-    redone = max(0, int(prev.get("global_step", start_global_step)) - start_global_step)
+    # The shared list's counts are recorded just before the report; a run that died between
+    # the two reached the step they were recorded at.
+    reported = max(int(prev.get("global_step", start_global_step)),
+                   _read_seen_file(model_dir)[1] or 0)
+    redone = max(0, reported - start_global_step)
     progress = Progress(int(prev["target_global_step"]), start_global_step,
                         int(prev.get("restarts", 0)) + 1,
                         int(prev.get("steps_redone", 0)) + redone, resumed=True,
@@ -211,22 +216,30 @@ def report(model_dir: str, global_step: int, finished: bool = False) -> None:
   _write(model_dir, record)
 
 
-def record_seen(model_dir: str, seen: np.ndarray) -> None:
-  """Records the shared list's per-batch trainings at a progress line (every step finished).
+def record_seen(model_dir: str, seen: np.ndarray, global_step: int) -> None:
+  """Records the shared list's per-batch trainings at a progress line (every step finished), and
+  the global step they belong to. Call just before `report` of the same line.
 
   Not the data position (that is in the checkpoint, consistent with the model): what a run that
   dies later had trained at least, so that its resumption counts the batches it trains again
-  from their ids. Written, then renamed, like the progress record.
+  from their ids. Written, then renamed, like the progress record. With the global step in the
+  same file, a run killed between this write and the report's (the killed coordinator's job
+  goes on for up to a second) still resumes with counts and steps redone of one line.
   """
   path = os.path.join(model_dir, SEEN_FILE)
-  tmp = path + ".tmp.npy"
-  np.save(tmp, np.asarray(seen, np.int64))
+  tmp = path + ".tmp.npz"
+  np.savez(tmp, seen=np.asarray(seen, np.int64), global_step=np.int64(global_step))
   os.replace(tmp, path)
+
+
+def _read_seen_file(model_dir: str):
+  try:
+    with np.load(os.path.join(model_dir, SEEN_FILE)) as f:
+      return f["seen"], int(f["global_step"])
+  except (OSError, ValueError, KeyError):
+    return None, None
 
 
 def read_seen(model_dir: str) -> Optional[np.ndarray]:
   """The counts `record_seen` wrote last, or None."""
-  try:
-    return np.load(os.path.join(model_dir, SEEN_FILE))
-  except (OSError, ValueError):
-    return None
+  return _read_seen_file(model_dir)[0]

@@ -94,10 +94,10 @@ class _Progress(keras.callbacks.Callback):
       return  # an epoch that ends at a checkpoint only
     elapsed = time.time() - self._t0
     stats = _optimizer_stats(job.optimizer)
-    recovery.report(job.config.model_dir, stats["global_step"])
     seen = job.shared_input.seen_total() if job.shared_input is not None else None
     if seen is not None:
-      recovery.record_seen(job.config.model_dir, seen)
+      recovery.record_seen(job.config.model_dir, seen, stats["global_step"])
+    recovery.report(job.config.model_dir, stats["global_step"])
     dense = stats["dense"] or {}
     loss = (logs or {}).get("loss", float("nan"))
     workers = job.strategy.worker_step_stats()
