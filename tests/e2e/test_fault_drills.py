@@ -165,7 +165,15 @@ def _check_finished(summary, mode, reference, rerun_steps=0):
       summary["global_step"], summary["target_global_step"])
   # At most one checkpoint interval (in global steps) trained again, per restart.
   assert summary["steps_redone"] <= _CHECKPOINT_EVERY // m * max(1, summary["restarts"])
-  assert summary["batches_reread"] == summary["steps_redone"] * m
+  if summary.get("data_list"):
+    # Counted from the batch ids at the last progress line, which the workers do not stop for
+    # (tf_gba.training.pipelining): the counts and the global step read there agree within the
+    # steps in flight (one running and one queued per worker) and a partial global step.
+    workers = summary["num_workers"]
+    assert abs(summary["batches_reread"] - summary["steps_redone"] * m) <= 2 * workers + m - 1, (
+        summary["batches_reread"], summary["steps_redone"], m)
+  else:
+    assert summary["batches_reread"] == summary["steps_redone"] * m
   # Within noise of the undisturbed run (the same seed; only the order of pushes differs).
   assert abs(summary["eval_auc"] - reference["eval_auc"]) < 0.03, (summary["eval_auc"],
                                                                   reference["eval_auc"])

@@ -66,9 +66,9 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     hop_bw_backup: b3 of "hop_bw": backup workers, i.e. each step takes the first N - b3
       gradients of the current version; default max(1, round(N / 5)).
 
-  The barriers of "hop_bs" and "hop_bw" block workers; at the end of training (each `join()` of
-  the coordinator, e.g. the end of every `fit` epoch) the workers still blocked while nothing else
-  runs are released, since no step is left that could let them go.
+  The barriers of "hop_bs" and "hop_bw" block workers; at each `join()` of the coordinator (the
+  end of `fit`, a checkpoint; a plain `fit` joins at every epoch's end) the workers still blocked
+  while nothing else runs are released, since no step is left that could let them go.
   """
 
   def __init__(self, cluster_resolver, variable_partitioner=None, mode: str = "gba",

@@ -217,8 +217,8 @@ def report(model_dir: str, global_step: int, finished: bool = False) -> None:
 
 
 def record_seen(model_dir: str, seen: np.ndarray, global_step: int) -> None:
-  """Records the shared list's per-batch trainings at a progress line (every step finished), and
-  the global step they belong to. Call just before `report` of the same line.
+  """Records the shared list's per-batch trainings at a progress line (those of the steps
+  finished by then), and the line's global step. Call just before `report` of the same line.
 
   Not the data position (that is in the checkpoint, consistent with the model): what a run that
   dies later had trained at least, so that its resumption counts the batches it trains again

@@ -28,6 +28,7 @@ from tf_gba.optimizers import GBA
 from tf_gba.common import metrics
 from tf_gba.training import config as config_lib
 from tf_gba.training import mode_registry
+from tf_gba.training import pipelining
 from tf_gba.training import preflight
 from tf_gba.training import recovery
 from tf_gba.training import resharding
@@ -101,8 +102,9 @@ class _Progress(keras.callbacks.Callback):
     dense = stats["dense"] or {}
     loss = (logs or {}).get("loss", float("nan"))
     workers = job.strategy.worker_step_stats()
-    if job.shared_input is not None:
-      # Steps that trained a batch (the no-op reads at the end of the list are not steps).
+    if not any(w.get("unreachable") for w in workers):
+      # Steps finished (the epoch's last ones may still run, see `pipelining`), and with the
+      # shared list those that trained a batch (its no-op reads at the end are not steps).
       steps = sum(w["steps"] for w in workers)
     qps = steps * job.config.local_batch_size / max(elapsed, 1e-9)
     if self.warm is None:
@@ -138,8 +140,9 @@ class _Progress(keras.callbacks.Callback):
 def epoch_steps(config: TrainConfig) -> int:
   """Worker steps per `fit` epoch: each logging and each checkpoint point ends an epoch.
 
-  ParameterServerStrategy takes no batch-level callbacks, and at an epoch's end `fit` waits for
-  every step scheduled: a checkpoint written there holds exactly the steps counted.
+  ParameterServerStrategy takes no batch-level callbacks. An epoch's end does not wait for the
+  steps still running (`pipelining`); a checkpoint written there waits for them first, and holds
+  exactly the steps scheduled.
   """
   return math.gcd(config.log_every, config.checkpoint_every_steps or config.log_every)
 
@@ -211,6 +214,7 @@ class _Job:
     self._eval_model = None
     self._eval_data = None
     self.shared_input = None  # the shared data list (--input=shared), set up by run()
+    self.pipeline = None  # while fit runs: its epochs' ends do not wait (`pipelining`)
 
   @property
   def total_steps(self):
@@ -295,7 +299,10 @@ class _Job:
     return seen.astype(np.int64)
 
   def save_checkpoint(self) -> str:
-    """Writes a checkpoint numbered by global step (atomic: see PeriodicCheckpoint)."""
+    """Writes a checkpoint numbered by global step (atomic: see PeriodicCheckpoint), once every
+    step scheduled has finished."""
+    if self.pipeline is not None:
+      self.pipeline.settle()
     if self.shared_input is not None and getattr(self, "data_position", None) is not None:
       seen = self.shared_input.seen_total()
       # Unreadable while a worker restarts: the position saved last stays, behind the model, so
@@ -478,12 +485,12 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     try:
       if shared is not None:
         history = fit_shared(job.model, job.optimizer, shared, epochs, callbacks,
-                             epoch_steps(config))
+                             epoch_steps(config), job=job)
         epochs = max(1, len(history.history.get("loss", [])))
       elif epochs:
-        history = job.model.fit(keras.utils.experimental.DatasetCreator(job.dataset_fn),
-                                epochs=epochs, steps_per_epoch=epoch_steps(config), verbose=0,
-                                callbacks=callbacks)
+        history = _fit(job.model, strategy,
+                       keras.utils.experimental.DatasetCreator(job.dataset_fn), epochs,
+                       epoch_steps(config), callbacks, job=job)
         # Fewer when a callback stopped the run early.
         epochs = max(1, len(history.history.get("loss", [])))
     except Exception as e:  # pylint: disable=broad-except
@@ -555,14 +562,34 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     return summary
 
 
-def fit_shared(model, optimizer, shared, epochs: int, callbacks=(), steps_per_epoch=None):
+def _fit(model, strategy, data, epochs: int, steps_per_epoch: int, callbacks=(), job=None):
+  """`model.fit` whose epochs' ends let the workers run on (`pipelining`); returns once every
+  step it scheduled has finished. `job`: the run's `_Job`, whose checkpoints wait for the steps
+  running (`_Job.save_checkpoint`)."""
+  coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+  with pipelining.Pipeline(model, coordinator, spare=strategy.num_workers) as pipeline:
+    if job is not None:
+      job.pipeline = pipeline
+    try:
+      history = model.fit(data, epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0,
+                          callbacks=list(callbacks))
+      pipeline.settle()
+    finally:
+      if job is not None:
+        job.pipeline = None
+  return history
+
+
+def fit_shared(model, optimizer, shared, epochs: int, callbacks=(), steps_per_epoch=None,
+               job=None):
   """model.fit on the shared data list (`shared_input.SharedInput`): ends at the end of the
   list (then completes a partial GBA step), after `epochs` epochs, or at a stall."""
   shared.watch()
   try:
-    history = model.fit(keras.utils.experimental.DatasetCreator(shared.dataset_fn),
-                        epochs=epochs, steps_per_epoch=steps_per_epoch or shared.config.log_every,
-                        verbose=0, callbacks=[*callbacks, shared.callback()])
+    history = _fit(model, shared.strategy,
+                   keras.utils.experimental.DatasetCreator(shared.dataset_fn), epochs,
+                   steps_per_epoch or shared.config.log_every, [*callbacks, shared.callback()],
+                   job=job)
   except Exception as e:  # pylint: disable=broad-except
     if shared.stalled is None:
       raise
@@ -615,7 +642,7 @@ def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, s
                          else w["measured_steps"] * config.local_batch_size / wall),
                  # The rest of the measured wall time the worker was between steps: the step's
                  # dispatch and result, its input read, a barrier's wait (Hop-BS, Hop-BW), and the
-                 # wait at each epoch's end.
+                 # wait at each checkpoint.
                  "in_step_fraction": (None if w.get("measured_in_step_seconds") is None
                                       else round(w["measured_in_step_seconds"] / wall, 4)),
                  "injected_delay_seconds": round(w["delay_seconds"], 3)} for w in worker_stats]

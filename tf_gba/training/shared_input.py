@@ -29,6 +29,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from tf_gba.data import data_list as data_list_lib
+from tf_gba.training import pipelining
 
 # Above what the longest step (a straggler at 4x on a loaded machine, a Hop-BS barrier timeout)
 # takes, well below what a user would wait before killing a hung job.
@@ -98,9 +99,10 @@ class SharedInput:
   def seen_total(self) -> Optional[np.ndarray]:
     """Times each batch of the day was trained, by this run and the runs it resumes.
 
-    Read where every scheduled step has finished (a fit epoch's end, after fit), it matches the
-    model: what a checkpoint written there stores as the data position. None while a worker is
-    being restarted (its counters cannot be read then).
+    Read where every scheduled step has finished (a checkpoint, after fit), it matches the
+    model: what a checkpoint written there stores as the data position; at a progress line, what
+    the steps finished by then trained. None while a worker is being restarted (its counters
+    cannot be read then).
     """
     each = self.counters.read_each(self.counters.seen)
     if any(v is None for v in each):
@@ -201,8 +203,8 @@ class SharedInput:
         time.sleep(min(1.0, timeout / 4))
         now = time.time()
         with self._lock:
-          done = [v for v in self._pending if _finished(v)]
-          self._pending = [v for v in self._pending if not _finished(v)]
+          done = [v for v in self._pending if pipelining.finished(v)]
+          self._pending = [v for v in self._pending if not pipelining.finished(v)]
           waiting = bool(self._pending)
         if done or not waiting:
           self._last_progress = now
@@ -287,9 +289,3 @@ def _fail_scheduled_steps(coordinator, error: Exception) -> None:
     if q._error is None:  # pylint: disable=protected-access
       q._error = error  # pylint: disable=protected-access
     q._stop_waiting_condition.notify_all()  # pylint: disable=protected-access
-
-
-def _finished(remote_value) -> bool:
-  # RemoteValue has no public "is it done" query; its status is what fetch() waits on.
-  status = getattr(remote_value, "_status", None)
-  return status is not None and getattr(status, "name", str(status)) != "NOT_READY"
