@@ -235,6 +235,18 @@ _EXIT_RESTART = 75
 _SUPERVISOR_ENV = "TF_GBA_SUPERVISOR_PID"
 
 
+def _module_from_file(package: str, name: str):
+  """tf_gba.<package>.<name> loaded from its file: the supervisor stays free of TensorFlow
+  (importing the tf_gba package imports it)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location(
+      f"_tf_gba_{name}", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                      "tf_gba", package, f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def _supervised() -> bool:
   """Whether this process should run the job as a child it restarts after a failure."""
   return (not os.environ.get("TF_CONFIG") and FLAGS.max_restarts > 0 and
@@ -261,6 +273,12 @@ def _supervise() -> int:
       return child.wait()
     if rc not in (_EXIT_RESTART, -signal.SIGKILL, -signal.SIGSEGV, -signal.SIGABRT):
       return rc
+    if rc < 0:
+      # Killed by a signal: the job itself could say nothing; the resumed run's summary lists
+      # the signal among its restart causes.
+      name = signal.Signals(-rc).name
+      print(f"train.py: the job's process died of {name}.", file=sys.stderr, flush=True)
+      _module_from_file("training", "recovery").record_failure(FLAGS.model_dir, name)
     restarts += 1
     if restarts > FLAGS.max_restarts:
       print(f"train.py: error: the job failed {restarts} times; rerun the same command to resume "
@@ -285,14 +303,7 @@ def _isolate() -> None:
     return  # a real cluster's task; or the supervisor has done it for the whole job
   why = "--noprivate_network"
   if FLAGS.private_network:
-    # Imported from its file: the supervisor stays free of TensorFlow (tf_gba imports it).
-    import importlib.util  # pylint: disable=g-import-not-at-top
-    spec = importlib.util.spec_from_file_location(
-        "_tf_gba_private_network", os.path.join(os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__))), "tf_gba", "distribute", "private_network.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    why = module.enter()
+    why = _module_from_file("distribute", "private_network").enter()
     if why is None:
       return
   print(f"train.py: warning: the local cluster's TF servers accept unauthenticated connections "

@@ -288,6 +288,30 @@ def test_killed_coordinator_resumes_when_the_command_is_rerun(tmp_path, tmp_path
   _check_finished(summary, mode, reference)
 
 
+def _job_process(root_pid):
+  """The job the binary's supervisor runs: the train.py process whose parent is one too."""
+  for pid in _descendants(root_pid):
+    if "examples/train.py" in _cmdline(pid):
+      return pid
+  pytest.fail(f"no job process under the supervisor {root_pid}")
+
+
+def test_a_job_killed_under_its_supervisor_restarts_with_the_signal_recorded(tmp_path,
+                                                                              tmp_path_factory):
+  """The job's process itself dies of a signal (the OOM killer's SIGKILL, an abort inside
+  TensorFlow): the job can say nothing, so the supervisor says it, records the signal as the
+  restart's cause, and starts the job again from its last checkpoint."""
+  reference = _undisturbed("gba", tmp_path_factory)
+  deadline = time.time() + _TIME_LIMIT_S
+
+  def kill_job(run):
+    os.kill(_job_process(run.proc.pid), signal.SIGKILL)
+
+  run, summary = _resumed_run("gba", str(tmp_path / "m"), deadline, kill_job, "SIGKILL")
+  assert "train.py: the job's process died of SIGKILL." in "".join(run.err)
+  _check_finished(summary, "gba", reference)
+
+
 # One replicated mode for both (one undisturbed reference run): the loss is handled by the job
 # they share (tf_gba/training/shadow_job.py); asgd_nodelay's own stall is in test_shadow_cluster.
 @pytest.mark.parametrize("mode,job", [("shadow_ma", "worker"), ("shadow_ma", "ps")])

@@ -59,10 +59,12 @@ def test_the_causes_of_restarts_reach_the_resumed_run(tmp_path):
   second = recovery.begin(d, "gba", 400, 20, target_if_new=120)
   assert second.resumed and second.restarts == 1 and second.restart_causes == ["WorkerLost"]
   recovery.record_failure(d, recovery.RuntimeFault("r"))
+  recovery.record_failure(d, "SIGABRT")  # the supervisor's record of a job killed by a signal
   # A killed coordinator records nothing: its restart is counted without a cause.
   third = recovery.begin(d, "gba", 400, 40, target_if_new=140)
   fourth = recovery.begin(d, "gba", 400, 40, target_if_new=140)
-  assert third.restart_causes == fourth.restart_causes == ["WorkerLost", "RuntimeFault"]
+  assert third.restart_causes == fourth.restart_causes == ["WorkerLost", "RuntimeFault",
+                                                           "SIGABRT"]
   assert (third.restarts, fourth.restarts) == (2, 3)
   # A finished run: the next one is new, with no causes, and records none after the end.
   recovery.report(d, 100, finished=True)
@@ -90,3 +92,28 @@ def test_a_run_killed_between_its_list_counts_and_its_report_redoes_the_counted_
   recovery.report(e, 30)
   assert recovery.begin(e, "gba", 400, 20, target_if_new=220).steps_redone == 10
   assert recovery.read_seen(e) is None
+
+
+class _Cluster:
+  """The local cluster as raise_if_lost reads it: which servers of a job have exited."""
+
+  def __init__(self, **dead):
+    self._dead = dead
+
+  def dead(self, job):
+    return self._dead.get(job, [])
+
+
+def test_the_server_that_exited_is_the_one_lost_whichever_jobs_the_error_names():
+  # A step of worker 0 reads the embeddings on the parameter server: when the worker dies, the
+  # failed call names both jobs.
+  both = _error(tf.errors.UnavailableError,
+                "Socket closed /job:ps/replica:0/task:0 ... /job:worker/replica:0/task:0")
+  with pytest.raises(recovery.WorkerLost, match="worker:0 died"):
+    recovery.raise_if_lost(both, _Cluster(worker=["worker:0"]), jobs=("ps", "worker"))
+  with pytest.raises(recovery.ParameterServerLost, match="ps:0 died"):
+    recovery.raise_if_lost(both, _Cluster(ps=["ps:0"]), jobs=("ps", "worker"))
+  # An exited server is a loss even where the error names no job (a cancelled call).
+  with pytest.raises(recovery.WorkerLost, match="worker:1 died"):
+    recovery.raise_if_lost(_error(tf.errors.CancelledError, "cancelled"),
+                           _Cluster(worker=["worker:1"]), jobs=("ps", "worker"))

@@ -27,14 +27,15 @@ This module knows nothing of the update rules (tf_gba.optimizers) or of the mode
 and the records of syncs (per worker, in that worker's training steps) and of step staleness.
 """
 
+import os
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
-# Per-thread asynchronous executors: what ClusterCoordinator's worker threads use (no public API
-# scopes one to a thread; tf.config.experimental.set_synchronous_execution is process-wide).
+# Per-thread executors: what ClusterCoordinator's worker threads use (no public API scopes one to
+# a thread; tf.config.experimental.set_synchronous_execution is process-wide).
 from tensorflow.python.eager import context as eager_context  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.eager import executor as eager_executor  # pylint: disable=g-direct-tensorflow-import
 
@@ -51,7 +52,19 @@ def ps_device(k: int) -> str:
 
 
 def connect(resolver) -> None:
-  """Makes the cluster's devices reachable from this process (the chief), eagerly."""
+  """Makes the cluster's devices reachable from this process (the chief), eagerly.
+
+  With the two runtime settings ParameterServerStrategy makes when it connects (TF's
+  parameter_server_strategy_v2.py), for the same reasons: one outstanding request per remote
+  server rather than a stream (several threads here call functions on the same servers), and
+  `async_wait()` (a checkpoint write calls it) does not send a sync request to every remote
+  executor, since no executor of this process is asynchronous. Without them this process's
+  threads met, intermittently under load, requests the servers could not parse ("InternalError:
+  Unable to parse request"), an abort inside TF's runtime ("Mutex corrupt") and a checkpoint
+  write that never returned (waiting in `sync_executors`).
+  """
+  os.environ["TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"] = "False"
+  os.environ["TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY"] = "True"
   tf.config.experimental_connect_to_cluster(resolver.cluster_spec(), job_name="chief",
                                             task_index=0, protocol="grpc")
 
@@ -211,19 +224,21 @@ def drive_workers(num_workers: int, step: Callable[[int], None], budget: StepBud
   the step is done (e.g. by fetching its loss); `before_step(i)` may wait (ASGD's staleness
   bound) and returns False to stop that worker.
 
-  Each driver thread calls under an asynchronous executor of its own, as ClusterCoordinator's
-  worker threads do. With the default (synchronous) executor the steps of different workers ran
-  one at a time: two workers with a 100 ms compute floor took 4.2 s for 20 steps each, one
-  worker's time; each with its own asynchronous executor, 2.3 s (and 2,483 against async mode's
-  4,610 examples/s on the training binary at 2 workers, before this). A call then returns before
-  the step has run, hence the fetch in `step`.
+  Each driver thread calls under a (synchronous) executor of its own, as ClusterCoordinator's
+  worker threads do. Under the process's one default executor the steps of different workers
+  ran one at a time: two workers with a 100 ms compute floor took 4.2 s for 20 steps each, one
+  worker's time (2,483 against async mode's 4,610 examples/s on the training binary at 2
+  workers); with an executor per thread, 2.3 s (shadow_ma, 2 workers, `compute:100`: 4,284
+  examples/s). Asynchronous executors, tried first, met intermittent aborts and hangs inside
+  TF's runtime (see `connect`). `step` fetches its loss all the same: a step counts (budget,
+  ASGD's staleness, sync gaps) once it is done.
   `on_tick()` runs in the calling thread every `tick_s` while the workers train (progress
   lines, periodic checkpoints), and at once when `wake` is set (by a step that reached such a
   point); an exception there stops the training and is raised.
   """
   def target(i):
     try:
-      with eager_context.executor_scope(eager_executor.new_executor(enable_async=True)):
+      with eager_context.executor_scope(eager_executor.new_executor(enable_async=False)):
         while not stop.is_set():
           if before_step is not None and not before_step(i):
             return

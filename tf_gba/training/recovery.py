@@ -65,34 +65,43 @@ _LOST = {"ps": (ParameterServerLost, "a parameter server", "its variables are lo
 
 
 def raise_if_lost(error: Exception, cluster, jobs: Sequence[str] = ("ps",)) -> None:
-  """Raises the JobLost of the first of `jobs` ("ps", "worker") that `error` comes from: a
-  server of the local `cluster` (None on a real cluster) that exited, or an unreachable-server
-  error naming that job; else a RuntimeFault for one of TF's own transient failures."""
+  """Raises the JobLost of the job among `jobs` ("ps", "worker") that `error` comes from: a
+  server of the local `cluster` (None on a real cluster) that exited, or else an
+  unreachable-server error naming that job; else a RuntimeFault for one of TF's own transient
+  failures."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   text = str(error)
   unreachable = isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError,
                                    tf.errors.CancelledError, tf.errors.NotFoundError))
-  for job in jobs:
-    dead = cluster.dead(job) if cluster is not None else []
-    named = unreachable and f"/job:{job}" in text
-    if not dead and named and cluster is not None:
-      # A killed process closes its sockets before its exit status can be read: give it a
-      # moment, so that the message can name the server.
-      deadline = time.time() + 3.0
-      while not dead and time.time() < deadline:
-        time.sleep(0.1)
+  named = [job for job in jobs if unreachable and f"/job:{job}" in text]
+  if cluster is not None:
+    # A process that exited is what died, whichever servers the error names: a call that spans
+    # a worker and a parameter server names both when the worker dies. A killed process closes
+    # its sockets before its exit status can be read: give it a moment, so that the message can
+    # name the server.
+    deadline = time.time() + (3.0 if named else 0.0)
+    while True:
+      for job in jobs:
         dead = cluster.dead(job)
-    if dead or named:
-      cls, someone, lost = _LOST[job]
-      what = ", ".join(dead) if dead else someone
-      raise cls(f"{what} died or became unreachable ({type(error).__name__}); {lost}. Rerun "
-                "the same command (once every server is back) to resume from the last "
-                "checkpoint in model_dir.") from error
+        if dead:
+          raise _lost(job, ", ".join(dead), error) from error
+      if time.time() >= deadline:
+        break
+      time.sleep(0.1)
+  if named:
+    raise _lost(named[0], _LOST[named[0]][1], error) from error
   fault = next((f for f in _RUNTIME_FAULTS if f in text), None)
   if isinstance(error, tf.errors.InternalError) and fault:
     raise RuntimeFault(f"a call between the job's processes failed inside TensorFlow's runtime "
                        f"(InternalError: {fault}; no process died). Rerun the same command to "
                        "resume from the last checkpoint in model_dir.") from error
+
+
+def _lost(job: str, what: str, error: Exception) -> JobLost:
+  cls, _, lost = _LOST[job]
+  return cls(f"{what} died or became unreachable ({type(error).__name__}); {lost}. Rerun the "
+             "same command (once every server is back) to resume from the last checkpoint in "
+             "model_dir.")
 
 
 def root_error(errors: Sequence[BaseException]) -> BaseException:
@@ -130,8 +139,8 @@ class Progress:
   restarts: int = 0          # resumptions of this run after a failure
   steps_redone: int = 0      # global steps trained again after the resumptions (at least)
   resumed: bool = False
-  # Why the failed runs ended, as each recorded it (`record_failure`): a JobLost's class name.
-  # A process killed outright (the coordinator) records nothing.
+  # Why the failed runs ended (`record_failure`): a JobLost's class name, or the signal a job
+  # died of. A coordinator killed with its command records nothing.
   restart_causes: List[str] = dataclasses.field(default_factory=list)
 
 
@@ -188,13 +197,15 @@ def begin(model_dir: str, mode: str, steps: int, start_global_step: int,
   return progress
 
 
-def record_failure(model_dir: str, error: JobLost) -> None:
-  """Records why this run ends for a restart (the error's class: ParameterServerLost, WorkerLost,
-  RuntimeFault, Stalled), for the resumed run's summary."""
+def record_failure(model_dir: str, cause) -> None:
+  """Records why this run ends for a restart, for the resumed run's summary: a JobLost (its
+  class: ParameterServerLost, WorkerLost, RuntimeFault, Stalled), or the name of the signal the
+  job's process died of (the binary's supervisor records it, e.g. "SIGABRT")."""
   record = read(model_dir)
   if record is None or record.get("finished"):
     return
-  record["restart_causes"] = list(record.get("restart_causes", [])) + [type(error).__name__]
+  name = cause if isinstance(cause, str) else type(cause).__name__
+  record["restart_causes"] = list(record.get("restart_causes", [])) + [name]
   _write(model_dir, record)
 
 

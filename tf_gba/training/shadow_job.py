@@ -729,8 +729,8 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
     features, labels = next(iterators[i])
     with tf.device(rt.worker_device(i)):
       loss = steps[i](features, labels)
-    # Fetched: under the driver thread's asynchronous executor the call returns before the
-    # step has run, and a step counts (budget, ASGD's staleness, sync gaps) once it is done.
+    # Fetched here, in the driver thread: a step counts (budget, ASGD's staleness, sync gaps)
+    # once it is done.
     losses[i].append(float(loss.numpy()))
     if coordination is not None:
       coordination.after_step(i)
