@@ -20,9 +20,9 @@ limit: the sum over workers of local batch / expected step time, the step time b
 stretched by the worker's expected slowdown under the profile (factors multiply; a transient
 p:f has mean 1 + p (f - 1)). No mode that keeps every worker busy can go faster. "in step" is
 the workers' mean share of the measured time spent inside their steps (compute and injected
-delay, parameter-server modes): the rest is each step's dispatch, result and input read, and
-the wait at each logging interval's end. A mode that never waits reaches about that share of
-the limit.
+delay, parameter-server modes): the rest is each step's dispatch, result and input read (a
+logging interval's end does not stop the workers, tf_gba/training/pipelining.py). A mode that
+never waits reaches about that share of the limit.
 """
 
 import argparse
@@ -75,9 +75,8 @@ def ps_limit_qps(profile: str, num_workers: int, local_batch_size: int) -> Optio
 
 def _in_step(summary: dict) -> Optional[float]:
   """The workers' mean share of the measured time spent inside a step (compute and injected
-  delay): the rest is what a mode that never waits loses to per-step dispatch, input reads and
-  the wait at each logging interval's end. None where the run does not report it (the
-  collective modes)."""
+  delay): the rest is what a mode that never waits loses to per-step dispatch and input reads.
+  None where the run does not report it (the collective modes)."""
   shares = [w["in_step_fraction"] for w in summary["per_worker"]
             if w.get("in_step_fraction") is not None]
   return statistics.mean(shares) if shares else None
