@@ -105,13 +105,19 @@ def test_hop_bs_holds_fast_workers_behind_a_5x_slower_one(tmp_path):
       sum(w["blocked_seconds"] for w in held["per_worker"]), abs=0.01)
   # The time inside steps: each step lasts the floor x the worker's factor (its compute is under
   # the floor), so over the measured window a worker is in a step for at least factor x 0.1 s x
-  # its steps (qps / 64 a second); at most the window and one step ending inside it. Held fast
-  # workers wait at the barrier, outside their steps.
+  # its steps (qps / 64 a second); at most the window and the one step that ends inside it but
+  # began before it (counted whole): 1 + one step / the window, large when the window is short
+  # (seen: 2.0 s in steps for worker 0's three steps in a 1.63 s window, fraction 1.23). That
+  # step is bounded by 1.5x the worker's mean measured step, as a step may outlast the floor on a
+  # loaded machine. Held fast workers wait at the barrier, outside their steps.
   for run in (free, held):
     for w in run["per_worker"]:
       factor = 5 if w["worker"] == 0 else 1
       assert factor * 0.1 * w["qps"] / 64 <= w["in_step_fraction"] * 1.001 + 1e-3, w
-      assert w["in_step_fraction"] <= 1.2, w
+      window = run["qps_measured_over_steps"] * 64 / run["global_qps"]
+      steps_measured = w["qps"] * window / 64
+      mean_step = w["in_step_fraction"] / steps_measured  # as a fraction of the window
+      assert w["in_step_fraction"] <= 1 + 1.5 * mean_step + 1e-3, w
   assert slow["in_step_fraction"] > max(w["in_step_fraction"] for w in fast) + 0.2, held
 
 
@@ -194,3 +200,35 @@ def test_trains_on_real_movielens(tmp_path):
   path = shared_data.require("movielens_100k")
   summary = _run(tmp_path, data=f"movielens100k:{path}", mode="async")
   assert summary["global_step"] == 40 and summary["eval_examples"] > 1000
+
+
+def test_a_barrier_modes_day_on_the_shared_list_ends_when_only_blocked_workers_hold_batches(
+    tmp_path):
+  """Hop-BW, one pass over a day (no --steps), worker 0 4x slower. Near the end the fast workers
+  see the end of the list while a worker that holds the last batches waits at the per-version
+  barrier for gradients only they could push: nothing can let it go. The day must end there
+  (its step released, pushing nothing) rather than run no-op reads forever; in a subprocess,
+  under a time limit, since the failure is a run that never ends."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  model_dir = tmp_path / "model"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(_ROOT, "examples", "train.py"), "--mode=hop_bw",
+       "--num_workers=3", "--local_batch_size=64", "--data_options=num_examples=3200",
+       "--stragglers=compute:50+persistent:4@0", "--log_every=10", "--eval_examples=512",
+       f"--model_dir={model_dir}"],
+      capture_output=True, text=True, timeout=240, cwd=_ROOT,
+      env=dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(model_dir / "summary.json") as f:
+    summary = json.load(f)
+  data_list = summary["data_list"]
+  assert data_list["num_batches"] == 50 and data_list["stalled"] is None
+  # Every batch of the day trained once, but for the blocked steps released at the end.
+  released = sum(w["released_steps"] for w in summary["per_worker"])
+  assert data_list["duplicates"] == 0
+  assert data_list["batches"] + data_list["missed"] == 50
+  assert data_list["missed"] <= released <= 3, (data_list["missed"], released)
+  # No progress line repeats itself while the exhausted workers run no-op reads.
+  lines = [l.split("  ")[0] for l in proc.stdout.splitlines() if l.startswith("step ")]
+  assert len(lines) == len(set(lines)), lines

@@ -253,12 +253,14 @@ class DayCounters:
         out.append(None)
     return out
 
-  def all_exhausted(self) -> bool:
-    """Whether every worker has seen the end of the list (read from the coordinator).
+  def exhausted_each(self) -> List[bool]:
+    """Per worker, whether it has seen the end of the list (read from the coordinator). A worker
+    that is down (being started again) has not: asked again at the next epoch's end."""
+    return [x is not None and bool(int(x)) for x in self.read_each(self.exhausted)]
 
-    A worker that is down (being started again) has not: asked again at the next epoch's end.
-    """
-    return all(x is not None and int(x) for x in self.read_each(self.exhausted))
+  def all_exhausted(self) -> bool:
+    """Whether every worker has seen the end of the list."""
+    return all(self.exhausted_each())
 
   def report(self, batch_sizes: Optional[np.ndarray] = None, passes: int = 1,
              restored: Optional[np.ndarray] = None) -> dict:

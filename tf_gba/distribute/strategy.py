@@ -163,6 +163,15 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
       stop.set()
       watcher.join()
 
+  def blocked_workers(self) -> Optional[list]:
+    """Per worker, whether it is blocked at the Hop-BS or Hop-BW barrier right now (read
+    eagerly); None in the other modes, or before the barrier exists."""
+    if self._gba_mode == "hop_bs" and self._gba_worker_clock is not None:
+      return [bool(n) for n in self._gba_worker_clock.waiting()]
+    if self._gba_mode == "hop_bw" and self._gba_version_barrier is not None:
+      return [bool(n) for n in self._gba_version_barrier.stats()["waiting"]]
+    return None
+
   def _barrier_state(self):
     """(waits blocked now, a value that changes whenever a step completes), or None."""
     if self._gba_mode == "hop_bs" and self._gba_worker_clock is not None:

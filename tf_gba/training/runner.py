@@ -87,6 +87,7 @@ class _Progress(keras.callbacks.Callback):
     self._t0 = time.time()
     self._last_eval = 0
     self.warm = None  # (time, steps, per-worker stats) after the first interval (tracing, start-up)
+    self._last_line = None  # steps finished at the last progress line
 
   def on_epoch_end(self, epoch, logs=None):
     job = self._job
@@ -94,6 +95,16 @@ class _Progress(keras.callbacks.Callback):
     if steps % job.config.log_every and steps < job.total_steps:
       return  # an epoch that ends at a checkpoint only
     elapsed = time.time() - self._t0
+    workers = job.strategy.worker_step_stats()
+    if not any(w.get("unreachable") for w in workers):
+      # Steps finished (the epoch's last ones may still run, see `pipelining`), and with the
+      # shared list those that trained a batch (its no-op reads at the end are not steps).
+      steps = sum(w["steps"] for w in workers)
+      if steps == self._last_line:
+        # Nothing trained since the last line: at the end of a day the workers that have seen
+        # the end of the list run through epochs of no-op reads while the last steps finish.
+        return
+      self._last_line = steps
     stats = _optimizer_stats(job.optimizer)
     seen = job.shared_input.seen_total() if job.shared_input is not None else None
     if seen is not None:
@@ -101,11 +112,6 @@ class _Progress(keras.callbacks.Callback):
     recovery.report(job.config.model_dir, stats["global_step"])
     dense = stats["dense"] or {}
     loss = (logs or {}).get("loss", float("nan"))
-    workers = job.strategy.worker_step_stats()
-    if not any(w.get("unreachable") for w in workers):
-      # Steps finished (the epoch's last ones may still run, see `pipelining`), and with the
-      # shared list those that trained a batch (its no-op reads at the end are not steps).
-      steps = sum(w["steps"] for w in workers)
     qps = steps * job.config.local_batch_size / max(elapsed, 1e-9)
     if self.warm is None:
       self.warm = (time.time(), steps, workers)

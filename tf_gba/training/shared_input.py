@@ -9,7 +9,9 @@ strategy:
   that marks the worker exhausted and does not run the strategy's step at all, so it neither
   takes a GBA token nor pushes a gradient nor moves the optimizer;
 * its callback stops `fit` at the end of a logging interval once every worker has seen the end,
-  so the batches each worker's service client had fetched are all trained on;
+  so the batches each worker's service client had fetched are all trained on (or once the
+  workers that have not are all blocked at a Hop-BS or Hop-BW barrier that only the others
+  could open);
 * `flush_partial_step()`: when the day ends with fewer than M gradients in the GBA buffers, it
   completes that global step with zero gradients, which applies what is buffered divided by M
   (SPEC: "divide by M", the global batch never grows) and leaves the token count on a multiple
@@ -188,7 +190,17 @@ class SharedInput:
     class _EndOfList(keras.callbacks.Callback):
 
       def on_epoch_end(self, epoch, logs=None):
-        if shared.counters.all_exhausted():
+        exhausted = shared.counters.exhausted_each()
+        if all(exhausted):
+          self.model.stop_training = True
+          return
+        # Hop-BS, Hop-BW: the workers that still hold a batch may all be blocked at the
+        # barrier, waiting for steps only the exhausted workers could have taken. Nothing can
+        # let them go then, and the exhausted workers' no-op reads would go on forever; the end
+        # of fit releases them (their steps push nothing: `released_steps`).
+        blocked = shared.strategy.blocked_workers()
+        if blocked is not None and any(exhausted) and all(
+            e or b for e, b in zip(exhausted, blocked)):
           self.model.stop_training = True
 
     return _EndOfList()
