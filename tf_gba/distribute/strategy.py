@@ -148,7 +148,7 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
         state = self._barrier_state()
         if state is None:
           continue
-        blocked, progress = state
+        blocked, progress = int(sum(state[0])), state[1]
         if blocked == inflight and previous == (blocked, progress):
           self.release_blocked_workers()
           previous = None
@@ -166,20 +166,18 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
   def blocked_workers(self) -> Optional[list]:
     """Per worker, whether it is blocked at the Hop-BS or Hop-BW barrier right now (read
     eagerly); None in the other modes, or before the barrier exists."""
-    if self._gba_mode == "hop_bs" and self._gba_worker_clock is not None:
-      return [bool(n) for n in self._gba_worker_clock.waiting()]
-    if self._gba_mode == "hop_bw" and self._gba_version_barrier is not None:
-      return [bool(n) for n in self._gba_version_barrier.stats()["waiting"]]
-    return None
+    state = self._barrier_state()
+    return None if state is None else [bool(n) for n in state[0]]
 
   def _barrier_state(self):
-    """(waits blocked now, a value that changes whenever a step completes), or None."""
+    """(waits blocked now per worker, a value that changes whenever a step completes), or
+    None."""
     if self._gba_mode == "hop_bs" and self._gba_worker_clock is not None:
       raw = self._gba_worker_clock.stats()
-      return int(self._gba_worker_clock.waiting().sum()), tuple(raw["completed"].tolist())
+      return self._gba_worker_clock.waiting(), tuple(raw["completed"].tolist())
     if self._gba_mode == "hop_bw" and self._gba_version_barrier is not None:
       raw = self._gba_version_barrier.stats()
-      return int(raw["waiting"].sum()), (raw["version"], tuple(raw["gradients"].tolist()))
+      return raw["waiting"], (raw["version"], tuple(raw["gradients"].tolist()))
     return None
 
   @property

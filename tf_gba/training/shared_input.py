@@ -193,15 +193,14 @@ class SharedInput:
         exhausted = shared.counters.exhausted_each()
         if all(exhausted):
           self.model.stop_training = True
-          return
-        # Hop-BS, Hop-BW: the workers that still hold a batch may all be blocked at the
-        # barrier, waiting for steps only the exhausted workers could have taken. Nothing can
-        # let them go then, and the exhausted workers' no-op reads would go on forever; the end
-        # of fit releases them (their steps push nothing: `released_steps`).
-        blocked = shared.strategy.blocked_workers()
-        if blocked is not None and any(exhausted) and all(
-            e or b for e, b in zip(exhausted, blocked)):
-          self.model.stop_training = True
+        elif any(exhausted):
+          # Hop-BS, Hop-BW: the workers that still hold a batch may all be blocked at the
+          # barrier, waiting for steps only the exhausted workers could have taken. Nothing can
+          # let them go then, and the exhausted workers' no-op reads would go on forever; the
+          # end of fit releases them (their steps push nothing: `released_steps`).
+          blocked = shared.strategy.blocked_workers()
+          if blocked is not None and all(e or b for e, b in zip(exhausted, blocked)):
+            self.model.stop_training = True
 
     return _EndOfList()
 
