@@ -151,7 +151,9 @@ class DataList:
     `max_outstanding_requests`: batches a worker's service client may have asked for ahead of
     its step. The default 1 keeps the next batch in flight (its fetch overlaps the step) and no
     more: a client left to prefetch takes batches at its fetch rate, not its training rate, and
-    a slow worker would hold batches that faster workers could have trained on.
+    a slow worker would hold batches that faster workers could have trained on. For the same
+    reason the strategy's per-worker iterator must not buffer either
+    (`SharedInput.dataset_creator`).
     """
     # TF caches the reader's decompression function per process (one trace for every dataset);
     # a process that starts a second cluster (tests, benchmarks) would send the new workers a

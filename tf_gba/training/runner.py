@@ -593,7 +593,7 @@ def fit_shared(model, optimizer, shared, epochs: int, callbacks=(), steps_per_ep
   shared.watch()
   try:
     history = _fit(model, shared.strategy,
-                   keras.utils.experimental.DatasetCreator(shared.dataset_fn), epochs,
+                   shared.dataset_creator(), epochs,
                    steps_per_epoch or shared.config.log_every, [*callbacks, shared.callback()],
                    job=job)
   except Exception as e:  # pylint: disable=broad-except

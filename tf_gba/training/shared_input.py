@@ -131,6 +131,21 @@ class SharedInput:
     del ctx  # every worker reads the same job: the service, not the input context, splits
     return self.list.dataset(self.dispatcher, self.job_name)
 
+  def dataset_creator(self) -> keras.utils.experimental.DatasetCreator:
+    """What `fit` reads: `dataset_fn` on every worker, without the per-worker iterator's buffer.
+
+    ParameterServerStrategy's per-worker iterator otherwise keeps batches of its own (a
+    MultiDeviceIterator: a host buffer and a device prefetch, `experimental_per_replica_buffer_
+    size=1`), which no other worker can take. A slow worker then trains them last, after the
+    others have finished the day (a 12-batch day, worker 0 200x slower: it trained 6 batches
+    with the buffer, 4 without); and a worker blocked at the Hop-BS/Hop-BW barrier when the day
+    ends there loses them (a 3-worker Hop-BW day, 12 runs under load: 9 missed 1 or 2 batches
+    with the buffer, none without).
+    """
+    return keras.utils.experimental.DatasetCreator(
+        self.dataset_fn,
+        input_options=tf.distribute.InputOptions(experimental_per_replica_buffer_size=0))
+
   # ---- the train step ----------------------------------------------------------------------------
   def install_train_function(self, model) -> None:
     """Makes `model.fit` use the shared-list step (see the module docstring)."""
