@@ -224,7 +224,8 @@ def test_a_barrier_modes_day_on_the_shared_list_ends_when_only_blocked_workers_h
     summary = json.load(f)
   data_list = summary["data_list"]
   assert data_list["num_batches"] == 50 and data_list["stalled"] is None
-  # Every batch of the day trained once, but for the blocked steps released at the end.
+  # Every batch of the day trained once (a released step's batch counts: it was read and its
+  # step ran, pushing nothing), but for the one each released worker had fetched ahead.
   released = sum(w["released_steps"] for w in summary["per_worker"])
   assert data_list["duplicates"] == 0
   assert data_list["batches"] + data_list["missed"] == 50

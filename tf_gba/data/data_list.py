@@ -260,10 +260,6 @@ class DayCounters:
     that is down (being started again) has not: asked again at the next epoch's end."""
     return [x is not None and bool(int(x)) for x in self.read_each(self.exhausted)]
 
-  def all_exhausted(self) -> bool:
-    """Whether every worker has seen the end of the list."""
-    return all(self.exhausted_each())
-
   def report(self, batch_sizes: Optional[np.ndarray] = None, passes: int = 1,
              restored: Optional[np.ndarray] = None) -> dict:
     """Per-worker batches and examples, and how the trained batches cover the list.
