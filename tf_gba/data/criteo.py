@@ -327,7 +327,8 @@ def make_dataset(path: str, split: str = "train", batch_size: int = 256, num_sha
   ds = _selected_rows(files, split, split_rows, eval_every, num_shards, shard_index, row_range)
   ds = ds.scan(tf.constant(0, tf.int64), _check_and_report(strict)).unbatch()
   if split == "train" and shuffle_seed is not None:
-    ds = ds.shuffle(shuffle_buffer, seed=shuffle_seed, reshuffle_each_iteration=True)
+    seed = pipeline.shard_seed(shuffle_seed, num_shards, shard_index)
+    ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
   if repeat:
     ds = ds.repeat()
   ds = ds.batch(batch_size).map(_parse(sizes), num_parallel_calls=tf.data.AUTOTUNE)
