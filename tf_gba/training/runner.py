@@ -88,6 +88,27 @@ class _Progress(keras.callbacks.Callback):
     self._last_eval = 0
     self.warm = None  # (time, steps, per-worker stats) after the first interval (tracing, start-up)
     self._last_line = None  # steps finished at the last progress line
+    # The loss of the last epoch that trained (see `_epoch_loss`).
+    self.last_loss = None
+
+  def _epoch_loss(self, logs) -> float:
+    """The epoch's mean loss, or the last one of an epoch that trained.
+
+    Keras reads the loss from the model's loss metric, reset when an epoch begins. On the shared
+    list an epoch can train nothing: its steps are the no-op reads of workers that have seen the
+    end of the list, while the last batches' steps finished before the reset (the epochs'
+    ends do not wait for them, `pipelining`). The metric then counts nothing and reads 0.
+    """
+    metric = next((m for m in self.model.metrics if m.name == "loss"), None)
+    if getattr(metric, "count", None) is None:
+      loss = (logs or {}).get("loss", float("nan"))
+    elif float(metric.count.numpy()) == 0:
+      return float("nan") if self.last_loss is None else self.last_loss
+    else:
+      # Read with its count: a step still running may have added to it since Keras read it.
+      loss = float(metric.result().numpy())
+    self.last_loss = loss
+    return loss
 
   def on_epoch_end(self, epoch, logs=None):
     job = self._job
@@ -111,7 +132,7 @@ class _Progress(keras.callbacks.Callback):
       recovery.record_seen(job.config.model_dir, seen, stats["global_step"])
     recovery.report(job.config.model_dir, stats["global_step"])
     dense = stats["dense"] or {}
-    loss = (logs or {}).get("loss", float("nan"))
+    loss = self._epoch_loss(logs)
     qps = steps * job.config.local_batch_size / max(elapsed, 1e-9)
     if self.warm is None:
       self.warm = (time.time(), steps, workers)
@@ -542,6 +563,8 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
         steps_measured = sum(w["measured_steps"] for w in worker_stats)
     summary = _summary(config, strategy, history, stats, worker_stats, evaluation, wall,
                        steps_measured, t1 - t0, start_step, saved)
+    if progress.last_loss is not None:
+      summary["final_train_loss"] = progress.last_loss
     if shared is not None:
       _add_data_list(summary, shared.report(), config)
     summary["skipped_checkpoints"] = job.skipped_checkpoints
