@@ -197,6 +197,16 @@ def make_protocol(args: argparse.Namespace) -> Protocol:
                   eval_examples=eval_examples, steps_per_day=steps, pass_steps=pass_steps)
 
 
+def _one_pass_text(p: dict, local_batch: int) -> str:
+  """The day length of a one-pass protocol, as results.md states it."""
+  batches = math.ceil(p["train_rows"] / local_batch)
+  text = (f"one pass over each day's {p['train_rows']:,} train rows: the parameter-server modes "
+          f"{batches} local batches through the shared data list")
+  if p.get("pass_steps"):
+    text += f", Sync {p['pass_steps']} (the pass in whole global steps)"
+  return text
+
+
 def split_setting(name: str) -> Tuple[str, Optional[object]]:
   """"bsp@2" -> ("bsp", 2); "gba@per_id" -> ("gba", "per_id"); "gba" -> ("gba", None)."""
   mode, sep, value = name.partition("@")
@@ -649,13 +659,11 @@ def markdown(results: dict) -> str:
       f"{a['staleness_threshold']}, stragglers `{results['stragglers']}` (slowdown "
       f"{a.get('straggler_delay', 'after_push').replace('_', ' ')} in the parameter-server modes), input "
       f"`{a.get('input', 'sharded')}`, "
-      f"{p['steps_per_day']} worker steps per day ({p['steps_per_day'] * a['local_batch_size']:,}"
-      f" examples; a day has {p['train_rows']:,} train rows"
-      + ("; the parameter-server modes train one pass over the day through the shared data list"
-         + (f", Sync {p['pass_steps']} local batches, one pass in whole global steps"
-            if p.get("pass_steps") else "")
-         if a.get("input") == "shared" and not a.get("steps_per_day") else "")
-      + f"). Seeds {results['seeds']}: mean ± "
+      + (_one_pass_text(p, a["local_batch_size"])
+         if a.get("input") == "shared" and not a.get("steps_per_day") else
+         f"{p['steps_per_day']} worker steps per day ({p['steps_per_day'] * a['local_batch_size']:,}"
+         f" examples; a day has {p['train_rows']:,} train rows)")
+      + f". Seeds {results['seeds']}: mean ± "
       "sample std over seeds; differences paired per seed. Wall time "
       f"{results['wall_seconds'] / 60:.1f} min" + (
           f" ({resumed} runs reused from an earlier invocation, --resume)." if resumed else "."),
