@@ -562,9 +562,7 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
       if all(w["measured_steps"] is not None for w in worker_stats):
         steps_measured = sum(w["measured_steps"] for w in worker_stats)
     summary = _summary(config, strategy, history, stats, worker_stats, evaluation, wall,
-                       steps_measured, t1 - t0, start_step, saved)
-    if progress.last_loss is not None:
-      summary["final_train_loss"] = progress.last_loss
+                       steps_measured, t1 - t0, start_step, saved, progress.last_loss)
     if shared is not None:
       _add_data_list(summary, shared.report(), config)
     summary["skipped_checkpoints"] = job.skipped_checkpoints
@@ -661,7 +659,7 @@ def _optimizer_stats(optimizer) -> dict:
 
 
 def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, steps_measured,
-             total_wall, start_step, saved) -> dict:
+             total_wall, start_step, saved, last_loss=None) -> dict:
   steps_run = epoch_steps(config) * len(history.history.get("loss", []))
   dense = stats["dense"] or {}
   dense_all = stats["dense_all_variables"] or {}
@@ -716,7 +714,10 @@ def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, s
       blocked_seconds=(round(sum(hop_bs["blocked_seconds"]), 3) if hop_bs else
                        round(sum(hop_bw["blocked_seconds"]), 3) if hop_bw else 0.0),
       max_lead=hop_bs["max_lead"] if hop_bs else None,
-      final_train_loss=history.history["loss"][-1] if history.history.get("loss") else None,
+      # The progress lines' loss (that of the last epoch that trained); Keras's last epoch may
+      # be one of the shared list's no-op reads, whose loss is its reset metric.
+      final_train_loss=(last_loss if last_loss is not None else
+                        history.history["loss"][-1] if history.history.get("loss") else None),
       eval_auc=evaluation["auc"], eval_logloss=evaluation["logloss"],
       eval_examples=evaluation["examples"], checkpoint=saved,
   )
