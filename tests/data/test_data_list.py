@@ -99,6 +99,42 @@ def test_each_batch_of_the_day_is_trained_once_and_the_slow_worker_takes_fewer(t
   assert tokens == global_step * WORKERS
 
 
+def test_a_fixed_step_count_trains_a_batch_in_every_step(tmp_path):
+  """As many steps as the day has batches: each step trains one, none finds the list empty.
+
+  While a worker is held up (a 100 ms compute floor, a transient 4x delay after the push), its
+  service client fetches the next batch; were the list only as long as the steps, the last steps
+  would read it empty while batches taken ahead went untrained (and a GBA global step would be
+  left partial: 46 and 47 of 48 batches trained, measured).
+  """
+  rows = 16 * 48
+  steps = rows // BATCH                      # 48 batches, 16 global steps of M = 3
+  ids = np.arange(rows, dtype=np.int64)
+  with LocalCluster(num_ps=1, num_workers=WORKERS, num_tfdata_workers=2) as cluster:
+    cfg = TrainConfig(mode="gba", num_workers=WORKERS, local_batch_size=BATCH, log_every=12,
+                      stragglers="compute:100+transient:0.2:4", input="shared", model_dir=str(tmp_path),
+                      steps=steps)
+    strategy = runner.make_strategy(cfg, cluster.resolver())
+    with strategy.scope():
+      model = _IdModel(rows)
+      optimizer = GBA(keras.optimizers.Adam(0.01), num_aggregate=WORKERS)
+      model.compile(optimizer, loss=keras.losses.BinaryCrossentropy())
+      model({"id": ids})
+      optimizer.build(model.trainable_variables)
+    shared = shared_input.SharedInput(cfg, strategy, cluster.tfdata_dispatcher, {},
+                                      rows=({"id": ids}, (ids % 2).astype(np.float32)))
+    shared.install_train_function(model)
+    runner.fit_shared(model, optimizer, shared, steps // cfg.log_every)
+    hits = model.hits.numpy()
+    report = shared.report()
+    global_step = int(optimizer.iterations.numpy())
+
+  # What the model itself counted: `steps` whole batches of rows.
+  assert hits.sum() == steps * BATCH, (hits.sum(), report)
+  assert report["batches"] == steps and report["examples"] == steps * BATCH, report
+  assert global_step == steps // WORKERS
+
+
 def test_static_shards_over_represent_the_fast_workers_rows(tmp_path):
   """The contrast: the same day and stragglers with each worker repeating its own shard.
 

@@ -490,7 +490,8 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
           if position is not None:
             last = recovery.read_seen(config.model_dir)
             shared.resume(position, last_recorded=last if last is not None and
-                          last.shape == position.shape else None, min_entries=left)
+                          last.shape == position.shape else None,
+                          min_entries=shared.entries_for(left))
       epochs = math.ceil(config.steps / epoch_steps(config)) if not (
           resume.resumed and resume.target_global_step <= start_step) else 0
     batches_reread = None
@@ -633,15 +634,15 @@ def fit_shared(model, optimizer, shared, epochs: int, callbacks=(), steps_per_ep
 
 
 def _add_data_list(summary: dict, report: dict, config: TrainConfig) -> None:
-  """The shared list's counts in the summary; in day mode steps and examples are what trained."""
+  """The shared list's counts in the summary; its steps and examples are what trained (the
+  steps of a fixed count that found the list empty trained nothing)."""
   summary["input"] = "shared"
   summary["data_list"] = report
   for w in summary["per_worker"]:
     w["batches"] = report["per_worker_batches"][w["worker"]]
     w["examples"] = report["per_worker_examples"][w["worker"]]
-  if report["day_mode"]:
-    summary["steps"] = report["batches"]
-    summary["examples"] = report["examples"]
+  summary["steps"] = report["batches"]
+  summary["examples"] = report["examples"]
   summary["duplicates"] = report["duplicates"]
   summary["missed"] = report["missed"]
 
