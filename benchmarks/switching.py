@@ -133,6 +133,9 @@ class Protocol:
   # One pass over the day's train rows in whole global steps (num_workers local batches each):
   # what Sync trains when the parameter-server modes take one pass through the shared data list.
   pass_steps: int = 0
+  # Local batches of one pass through the shared data list when a day is one pass over its train
+  # rows (the shared list and no --steps_per_day); 0 when every mode runs steps_per_day.
+  one_pass_batches: int = 0
 
 
 class RunFailed(Exception):
@@ -194,14 +197,17 @@ def make_protocol(args: argparse.Namespace) -> Protocol:
   pass_steps = args.num_workers * math.ceil(one_pass / args.num_workers)
   return Protocol(data_options=options, num_days=num_days, base_days=base, train_days=train,
                   eval_days=evals, next_day=num_days > 1, train_rows=train_rows,
-                  eval_examples=eval_examples, steps_per_day=steps, pass_steps=pass_steps)
+                  eval_examples=eval_examples, steps_per_day=steps, pass_steps=pass_steps,
+                  one_pass_batches=one_pass if _one_pass_days(args) else 0)
 
 
-def _one_pass_text(p: dict, local_batch: int) -> str:
-  """The day length of a one-pass protocol, as results.md states it."""
-  batches = math.ceil(p["train_rows"] / local_batch)
+def _day_text(p: dict, local_batch: int) -> str:
+  """How long a day is, as results.md states it."""
+  if not p.get("one_pass_batches"):
+    return (f"{p['steps_per_day']} worker steps per day ({p['steps_per_day'] * local_batch:,} "
+            f"examples; a day has {p['train_rows']:,} train rows)")
   text = (f"one pass over each day's {p['train_rows']:,} train rows: the parameter-server modes "
-          f"{batches} local batches through the shared data list")
+          f"{p['one_pass_batches']} local batches through the shared data list")
   if p.get("pass_steps"):
     text += f", Sync {p['pass_steps']} (the pass in whole global steps)"
   return text
@@ -288,7 +294,7 @@ def run_config(args: argparse.Namespace, protocol: Protocol, mode: str, seed: in
     num_workers = args.gba_num_workers or global_batch // local_batch
     extra["global_batch_size"] = global_batch
     steps = INTERVALS * math.ceil(steps * args.local_batch_size / (local_batch * INTERVALS))
-  if mode == "sync" and _one_pass_days(args) and protocol.pass_steps:
+  if mode == "sync" and protocol.one_pass_batches and protocol.pass_steps:
     # As many rows as the parameter-server modes' one pass, not whole logging intervals of them
     # (which added up to 4 x N - 1 local batches: 9% more rows on MovieLens-100K at 8 x 128);
     # the last logging interval is then short.
@@ -296,7 +302,7 @@ def run_config(args: argparse.Namespace, protocol: Protocol, mode: str, seed: in
   # Logging intervals: worker steps in the parameter-server modes, global steps in sync.
   log_every = max(1, steps // INTERVALS // (num_workers if mode == "sync" else 1))
   # Only modes that read the shared data list (the registry's --input users) have a day mode.
-  if mode_registry.reads_input(mode) and _one_pass_days(args):
+  if mode_registry.reads_input(mode) and protocol.one_pass_batches:
     steps = None  # one pass over the day through the shared data list, however long it takes
   return dict(
       input=args.input,
@@ -659,10 +665,7 @@ def markdown(results: dict) -> str:
       f"{a['staleness_threshold']}, stragglers `{results['stragglers']}` (slowdown "
       f"{a.get('straggler_delay', 'after_push').replace('_', ' ')} in the parameter-server modes), input "
       f"`{a.get('input', 'sharded')}`, "
-      + (_one_pass_text(p, a["local_batch_size"])
-         if a.get("input") == "shared" and not a.get("steps_per_day") else
-         f"{p['steps_per_day']} worker steps per day ({p['steps_per_day'] * a['local_batch_size']:,}"
-         f" examples; a day has {p['train_rows']:,} train rows)")
+      + _day_text(p, a["local_batch_size"])
       + f". Seeds {results['seeds']}: mean ± "
       "sample std over seeds; differences paired per seed. Wall time "
       f"{results['wall_seconds'] / 60:.1f} min" + (
@@ -884,7 +887,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   modes, seeds = args.modes_list, list(range(args.seeds))
   day = (f"one pass over each day's {protocol.train_rows:,} train rows (sync: "
          f"{protocol.pass_steps} local batches; modes without the data list: "
-         f"{protocol.steps_per_day} worker steps)" if _one_pass_days(args) else
+         f"{protocol.steps_per_day} worker steps)" if protocol.one_pass_batches else
          f"{protocol.steps_per_day} worker steps per day")
   print(f"switching benchmark: {args.data}, days {protocol.num_days}, modes {modes}, seeds "
         f"{seeds}, {day}", flush=True)

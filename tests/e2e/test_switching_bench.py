@@ -74,8 +74,12 @@ def test_outputs_exist_and_every_run_succeeded(bench):
 
 
 def test_every_mode_trains_the_same_examples_and_evaluates_on_the_next_day(bench):
-  _, _, saved, _ = bench
+  _, _, saved, md = bench
   p = saved["protocol"]
+  if saved["args"]["input"] == "shared":
+    batches = -(-p["train_rows"] // saved["args"]["local_batch_size"])
+    assert p["one_pass_batches"] == batches
+    assert f"{p['train_rows']:,} train rows: the parameter-server modes {batches} local" in md
   for r in saved["runs"]:
     if r["mode"] != "sync" and saved["args"]["input"] == "shared":
       # The shared data list: one pass over the day, every train row once.
@@ -311,7 +315,7 @@ def test_gba_on_its_own_cluster_shape():
   shared = switching.run_config(
       switching.parse_args(["--num_workers=4", "--local_batch_size=256", "--input=shared",
                             "--gba_local_batch_size=128", "--modes=sync,gba"]),
-      protocol, "gba", 0, 1, 2, "/tmp/x")
+      dataclasses.replace(protocol, one_pass_batches=1), "gba", 0, 1, 2, "/tmp/x")
   # The shared data list: a day is one pass over its rows, whatever the local batch.
   assert (shared["num_workers"], shared["local_batch_size"], shared["steps"]) == (8, 128, None)
   gba = switching.run_config(args, protocol, "gba", 0, 1, 2, "/tmp/x")
