@@ -51,21 +51,25 @@ class _IdModel(keras.Model):
     return {"loss": loss}
 
 
-def _rows():
-  ids = np.arange(ROWS, dtype=np.int64)
+def _rows(rows=ROWS):
+  ids = np.arange(rows, dtype=np.int64)
   return {"id": ids}, (ids % 2).astype(np.float32)
 
 
-def _setup(tmp_path, cluster, input_mode):
-  cfg = TrainConfig(mode="gba", num_workers=WORKERS, local_batch_size=BATCH, log_every=LOG_EVERY,
-                    stragglers=STRAGGLERS, input=input_mode, model_dir=str(tmp_path),
-                    steps=None if input_mode == "shared" else 2 * math.ceil(ROWS / BATCH))
+def _setup(tmp_path, cluster, input_mode, rows=ROWS, **config):
+  """GBA on the id model; `config` overrides TrainConfig fields (default steps: one pass of the
+  shared list, two passes of the static shards)."""
+  fields = dict(mode="gba", num_workers=WORKERS, local_batch_size=BATCH, log_every=LOG_EVERY,
+                stragglers=STRAGGLERS, input=input_mode, model_dir=str(tmp_path),
+                steps=None if input_mode == "shared" else 2 * math.ceil(rows / BATCH))
+  fields.update(config)
+  cfg = TrainConfig(**fields)
   strategy = runner.make_strategy(cfg, cluster.resolver())
   with strategy.scope():
-    model = _IdModel(ROWS)
+    model = _IdModel(rows)
     optimizer = GBA(keras.optimizers.Adam(0.01), num_aggregate=WORKERS)
     model.compile(optimizer, loss=keras.losses.BinaryCrossentropy())
-    model(_rows()[0])  # builds the variables (what fit would do lazily)
+    model(_rows(rows)[0])  # builds the variables (what fit would do lazily)
     optimizer.build(model.trainable_variables)
   return cfg, strategy, model, optimizer
 
@@ -109,20 +113,12 @@ def test_a_fixed_step_count_trains_a_batch_in_every_step(tmp_path):
   """
   rows = 16 * 48
   steps = rows // BATCH                      # 48 batches, 16 global steps of M = 3
-  ids = np.arange(rows, dtype=np.int64)
   with LocalCluster(num_ps=1, num_workers=WORKERS, num_tfdata_workers=2) as cluster:
-    cfg = TrainConfig(mode="gba", num_workers=WORKERS, local_batch_size=BATCH, log_every=12,
-                      stragglers="compute:100+transient:0.2:4", input="shared", model_dir=str(tmp_path),
-                      steps=steps)
-    strategy = runner.make_strategy(cfg, cluster.resolver())
-    with strategy.scope():
-      model = _IdModel(rows)
-      optimizer = GBA(keras.optimizers.Adam(0.01), num_aggregate=WORKERS)
-      model.compile(optimizer, loss=keras.losses.BinaryCrossentropy())
-      model({"id": ids})
-      optimizer.build(model.trainable_variables)
+    cfg, strategy, model, optimizer = _setup(
+        tmp_path, cluster, "shared", rows=rows, steps=steps, log_every=12,
+        stragglers="compute:100+transient:0.2:4")
     shared = shared_input.SharedInput(cfg, strategy, cluster.tfdata_dispatcher, {},
-                                      rows=({"id": ids}, (ids % 2).astype(np.float32)))
+                                      rows=_rows(rows))
     shared.install_train_function(model)
     runner.fit_shared(model, optimizer, shared, steps // cfg.log_every)
     hits = model.hits.numpy()
