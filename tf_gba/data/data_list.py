@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gba import data as data_lib
+from tf_gba.data import pipeline
 
 # tf.data warns whenever a dataset's options are read while a graph is built, which the service
 # dataset does in every worker's dataset_fn; the options it reads are its own, so the warning
@@ -161,7 +162,9 @@ class DataList:
     from tensorflow.python.data.experimental.ops import data_service_ops  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
     getattr(data_service_ops, "_get_uncompress_func", None) and (
         data_service_ops._get_uncompress_func.cache_clear())  # pylint: disable=protected-access
-    ids = self.source().apply(tf.data.experimental.service.distribute(
+    # The options are the registered dataset's: the service's readers (the workers) take them
+    # from it, not from the dataset they build on top.
+    ids = pipeline.on_a_worker(self.source()).apply(tf.data.experimental.service.distribute(
         processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC,
         service=service if "://" in service else f"grpc://{service}", job_name=job_name,
         max_outstanding_requests=max_outstanding_requests,

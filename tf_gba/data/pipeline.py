@@ -42,6 +42,21 @@ def shard_seed(shuffle_seed: int, num_shards: int, shard_index):
   return shuffle_seed * num_shards + shard_index
 
 
+def on_a_worker(ds: tf.data.Dataset) -> tf.data.Dataset:
+  """A pipeline that a parameter-server worker iterates, without tf.data's autotuning thread.
+
+  That thread (`model::Model::OptimizeLoop`) sleeps between tuning rounds, up to 60 s once a
+  pipeline is steady, and deleting the iterator waits until it wakes. Where `fit` returns, the
+  per-worker iterators are deleted on the workers, and each deletion holds its worker's eager
+  service, so the next operation the coordinator sent that worker waited for it: 12 to 90 s at
+  the end of a day on 8 workers (docs/evaluation.md). Without the thread, `AUTOTUNE` takes
+  tf.data's static choices (a map as parallel as the worker's threads).
+  """
+  options = tf.data.Options()
+  options.autotune.enabled = False
+  return ds.with_options(options)
+
+
 def check_day(day: Optional[int], num_days: int):
   if day is not None and not 0 <= day < num_days:
     raise ValueError(f"day must be None (all days) or in [0, {num_days}), got {day}.")

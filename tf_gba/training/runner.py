@@ -19,6 +19,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from tf_gba import data as data_lib
+from tf_gba.data import pipeline as data_pipeline
 from tf_gba import models as models_lib
 from tf_gba.distribute import GBAStrategy
 from tf_gba.distribute import LocalCluster
@@ -364,10 +365,10 @@ class _Job:
       num_shards, shard_index = ctx.num_input_pipelines, ctx.input_pipeline_id
     elif self.strategy.num_workers > 1:
       num_shards, shard_index = self.strategy.num_workers, worker_clock.worker_index()
-    return data_lib.make_dataset(
+    return data_pipeline.on_a_worker(data_lib.make_dataset(
         cfg.data, split="train", batch_size=cfg.local_batch_size, num_shards=num_shards,
         shard_index=shard_index, day=cfg.day, repeat=True, shuffle_seed=cfg.seed,
-        strict=cfg.strict_data, **self.data_kwargs)
+        strict=cfg.strict_data, **self.data_kwargs))
 
   def evaluate(self) -> dict:
     """AUC and logloss on the eval split, with the current parameters copied to this process."""
