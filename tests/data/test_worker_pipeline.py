@@ -9,7 +9,6 @@ rows are the same as without it.
 import numpy as np
 
 import tf_gba  # noqa: F401  (sets up Keras 2 before TensorFlow is imported)
-import tensorflow as tf
 
 from tf_gba.data import pipeline
 from tf_gba.data.info import DataInfo
