@@ -2,14 +2,18 @@
 
 Deleting an iterator waits for that thread's sleep (up to 60 s); where `fit` returns, the
 workers' iterators are deleted and each holds its worker's eager service until then
-(`pipeline.on_a_worker`). Checked on the option the deletion depends on and on the data: the
-rows are the same as without it.
+(`pipeline.on_a_worker`), and so do the per-device iterators tf.distribute builds on top while
+`fit` runs (`pipeline.device_iterators_on_a_worker`). Checked on the option the deletion depends
+on and on the data: the rows are the same as without it.
 """
 
 import numpy as np
 
 import tf_gba  # noqa: F401  (sets up Keras 2 before TensorFlow is imported)
+import tensorflow as tf
+from tensorflow.python.data.ops import multi_device_iterator_ops  # pylint: disable=g-direct-tensorflow-import
 
+from tf_gba.data import data_list
 from tf_gba.data import pipeline
 from tf_gba.data.info import DataInfo
 
@@ -33,3 +37,43 @@ def test_a_worker_pipeline_has_no_autotuning_and_the_same_rows():
   np.testing.assert_array_equal(_rows(worker), _rows(_pipeline(rows)))
   # Shard 1 of 2: every odd row once.
   np.testing.assert_array_equal(np.sort(_rows(worker)), np.arange(1, rows, 2))
+
+
+def _device_dataset_autotune(ds):
+  """Autotuning of the per-device dataset a MultiDeviceIterator (a strategy's per-worker
+  iterator) builds over `ds`, and the elements it yields."""
+  it = multi_device_iterator_ops.OwnedMultiDeviceIterator(ds, ["/cpu:0"],
+                                                          source_device="/cpu:0")
+  device_dataset = it._device_iterators[0]._dataset  # pylint: disable=protected-access
+  values = [int(it.get_next()[0]) for _ in range(3)]
+  return device_dataset.options().autotune.enabled, values
+
+
+def test_the_per_device_iterators_run_without_autotuning_only_where_asked():
+  ds = pipeline.on_a_worker(tf.data.Dataset.range(10).map(lambda x: x * 3))
+  outside, values = _device_dataset_autotune(ds)
+  assert outside in (None, True)  # TensorFlow's default, and no way to pass another
+  with pipeline.device_iterators_on_a_worker():
+    with pipeline.device_iterators_on_a_worker():  # reentrant
+      inner, inner_values = _device_dataset_autotune(ds)
+    still, _ = _device_dataset_autotune(ds)
+  after, _ = _device_dataset_autotune(ds)
+  assert inner is False and still is False
+  assert after in (None, True)  # TensorFlow's own function is back once the last one closes
+  assert inner_values == values == [0, 3, 6]
+
+
+def test_the_shared_list_reader_has_no_autotuning_and_reads_every_batch_once():
+  rows = 22
+  dl = data_list.DataList({"row": np.arange(rows)}, np.zeros(rows, np.float32), batch_size=4,
+                          seed=5)
+  dispatcher = data_list.start_dispatcher()
+  service_worker = tf.data.experimental.service.WorkerServer(
+      tf.data.experimental.service.WorkerConfig(
+          dispatcher_address=dispatcher.target.split("://", 1)[1]))
+  reader = dl.dataset(dispatcher.target, job_name="worker_pipeline_test")
+  assert reader.options().autotune.enabled is False
+  read = [(f["row"].numpy(), int(b)) for f, _, b in reader]
+  np.testing.assert_array_equal(np.sort(np.concatenate([r for r, _ in read])), np.arange(rows))
+  assert sorted(b for _, b in read) == list(range(dl.num_batches))
+  del service_worker

@@ -162,8 +162,8 @@ class DataList:
     from tensorflow.python.data.experimental.ops import data_service_ops  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
     getattr(data_service_ops, "_get_uncompress_func", None) and (
         data_service_ops._get_uncompress_func.cache_clear())  # pylint: disable=protected-access
-    # The options are the registered dataset's: the service's readers (the workers) take them
-    # from it, not from the dataset they build on top.
+    # Without autotuning both where the service iterates the registered dataset and, below,
+    # where a worker iterates what it reads.
     ids = pipeline.on_a_worker(self.source()).apply(tf.data.experimental.service.distribute(
         processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC,
         service=service if "://" in service else f"grpc://{service}", job_name=job_name,
@@ -181,7 +181,8 @@ class DataList:
               tf.gather(label, rows), batch_id)
 
     # No prefetch here: a batch prefetched by a worker is a batch no faster worker can take.
-    return ids.map(gather)
+    # The reader's own options, for the worker's iterator of it (`pipeline.on_a_worker`).
+    return pipeline.on_a_worker(ids.map(gather))
 
 
 def start_dispatcher(port: int = 0, worker_timeout_ms: int = DEFAULT_WORKER_TIMEOUT_MS

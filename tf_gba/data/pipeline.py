@@ -1,9 +1,12 @@
 """The tf.data steps every source shares: argument checks, sharding, shuffling and batching."""
 
+import contextlib
+import threading
 from typing import Mapping, Optional
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.data.ops import multi_device_iterator_ops  # pylint: disable=g-direct-tensorflow-import
 
 from tf_gba.data.info import DataInfo
 
@@ -55,6 +58,42 @@ def on_a_worker(ds: tf.data.Dataset) -> tf.data.Dataset:
   options = tf.data.Options()
   options.autotune.enabled = False
   return ds.with_options(options)
+
+
+_device_datasets_lock = threading.Lock()
+_device_datasets_users = 0
+_tf_create_device_dataset = multi_device_iterator_ops._create_device_dataset  # pylint: disable=protected-access
+
+
+def _device_dataset_on_a_worker(*args, **kwargs):
+  return on_a_worker(_tf_create_device_dataset(*args, **kwargs))
+
+
+@contextlib.contextmanager
+def device_iterators_on_a_worker():
+  """While open, the per-device iterators tf.distribute creates on a worker run without tf.data's
+  autotuning thread too (see `on_a_worker`).
+
+  A ParameterServerStrategy worker reads its pipeline through a MultiDeviceIterator: one host
+  iterator of the pipeline (whose options are the pipeline's: `on_a_worker` covers it) and, per
+  device, an iterator of a generator dataset that TensorFlow builds itself, with default options
+  and no argument to pass others. Deleting that one waited for its autotuning thread as well:
+  24 and 28 s after two of three Hop-BW days on the shared list whose pipelines ran without it
+  (docs/evaluation.md). There is nothing to tune in it: a generator and, at most, a prefetch of
+  fixed size. Opened around `model.fit`, where the per-worker iterators are created; reentrant,
+  for any thread.
+  """
+  global _device_datasets_users
+  with _device_datasets_lock:
+    _device_datasets_users += 1
+    multi_device_iterator_ops._create_device_dataset = _device_dataset_on_a_worker  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    with _device_datasets_lock:
+      _device_datasets_users -= 1
+      if not _device_datasets_users:
+        multi_device_iterator_ops._create_device_dataset = _tf_create_device_dataset  # pylint: disable=protected-access
 
 
 def check_day(day: Optional[int], num_days: int):

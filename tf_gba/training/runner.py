@@ -600,8 +600,9 @@ def _fit(model, strategy, data, epochs: int, steps_per_epoch: int, callbacks=(),
     if job is not None:
       job.pipeline = pipeline
     try:
-      history = model.fit(data, epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0,
-                          callbacks=list(callbacks))
+      with data_pipeline.device_iterators_on_a_worker():
+        history = model.fit(data, epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0,
+                            callbacks=list(callbacks))
       pipeline.settle()
     finally:
       if job is not None:
