@@ -1,4 +1,5 @@
-"""The tf.data steps every source shares: argument checks, sharding, shuffling and batching."""
+"""The tf.data steps every source shares: argument checks, sharding, shuffling and batching; and
+the options of the pipelines parameter-server workers iterate (`on_a_worker`)."""
 
 import contextlib
 import threading
