@@ -112,10 +112,11 @@ TITLES = {"from_sync": "sync -> mode (base trained with sync, then each mode; Ta
           "to_sync": "mode -> sync (base trained in each mode, then sync; Table 6.8)"}
 # Runs in a fresh interpreter: each run starts (and tears down) its own cluster. Exiting without
 # interpreter teardown spares the log TF writes about remote handles it can no longer release.
-_CHILD = ("import json, os, sys\n"
+_CHILD = ("import json, sys\n"
+          "from tf_gba.common import exiting\n"
           "from tf_gba.training import TrainConfig, run\n"
           "run(TrainConfig(**json.loads(sys.argv[1])))\n"
-          "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)\n")
+          "exiting.exit_now(0)\n")
 
 
 @dataclasses.dataclass

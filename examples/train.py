@@ -28,6 +28,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
+from tf_gba.common import exiting  # noqa: E402
 # The modes, their help and the flags each reads (no TensorFlow: the supervisor stays free of it).
 from tf_gba.training import mode_registry  # noqa: E402
 
@@ -225,9 +226,8 @@ def _debug() -> bool:
 def _fail(message: str) -> None:
   """One line on stderr and exit code 2: the user's input is at fault, not the program."""
   print(f"train.py: error: {message}", file=sys.stderr, flush=True)
-  sys.stdout.flush()
   _end_logs(keep=False)
-  os._exit(2)  # pylint: disable=protected-access
+  exiting.exit_now(2)
 
 
 # tf_gba.training.recovery.EXIT_RESTART (not imported: the supervisor stays free of TensorFlow).
@@ -294,7 +294,7 @@ def _watch_supervisor(pid: int) -> None:
   # with it; rerunning the command resumes.
   while os.getppid() == pid:
     time.sleep(1.0)
-  os._exit(1)  # pylint: disable=protected-access
+  exiting.exit_now(1)
 
 
 def _isolate() -> None:
@@ -322,8 +322,7 @@ def _entry(argv):
   _check_mode_flags()
   _isolate()
   if _supervised():
-    sys.stdout.flush()
-    os._exit(_supervise())  # pylint: disable=protected-access
+    exiting.exit_now(_supervise())
   if _SUPERVISOR_ENV in os.environ:
     threading.Thread(target=_watch_supervisor, args=(int(os.environ[_SUPERVISOR_ENV]),),
                      daemon=True).start()
@@ -344,9 +343,8 @@ def _entry(argv):
       raise
     print(f"train.py: {e}", file=sys.stderr, flush=True)
     recovery.record_failure(FLAGS.model_dir, e)  # the resumed run's summary says why
-    sys.stdout.flush()
     _end_logs(keep=False)
-    os._exit(recovery.EXIT_RESTART)  # pylint: disable=protected-access
+    exiting.exit_now(recovery.EXIT_RESTART)
   except BaseException as e:  # pylint: disable=broad-except
     # A malformed row past the pre-flight scan, met by a worker under --strict_data.
     if _debug() or "Malformed" not in str(e):
@@ -355,12 +353,10 @@ def _entry(argv):
     line = next(l for l in str(e).splitlines() if "Malformed" in l).strip()
     _fail(f"--strict_data: {line[line.index('Malformed'):][:300]}; fix or remove the row, or "
           "drop --strict_data to skip malformed rows.")
-  sys.stdout.flush()
-  sys.stderr.flush()
   _end_logs(keep=False)
   # The local cluster is already gone; skipping interpreter teardown spares the log TF would
-  # write about remote handles it can no longer release.
-  os._exit(0)
+  # write about remote handles it can no longer release (exit_now removes what teardown would).
+  exiting.exit_now(0)
 
 
 # absl's --verbosity takes a number; these names are accepted too (debug = 1: TF's logs and

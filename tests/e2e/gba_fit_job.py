@@ -8,7 +8,6 @@ JSON file: losses, optimizer statistics, and the values of every restored tensor
 import argparse
 import json
 import os
-import sys
 import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -19,6 +18,7 @@ import tf_gba  # noqa: E402,F401
 import tensorflow as tf  # noqa: E402
 import tf_keras as keras  # noqa: E402
 
+from tf_gba.common import exiting  # noqa: E402
 from tf_gba.distribute import GBAStrategy  # noqa: E402
 from tf_gba.distribute import LocalCluster  # noqa: E402
 from tf_gba.optimizers import GBA  # noqa: E402
@@ -106,9 +106,8 @@ def main(argv=None):
     report["final_iterations"] = int(opt.iterations.numpy())
   with open(args.out, "w") as f:
     json.dump(report, f)
-  sys.stdout.flush()
   # Skip interpreter teardown: the cluster is gone and TF would only log failed remote cleanups.
-  os._exit(0)
+  exiting.exit_now(0)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional
 
+from tf_gba.common import exiting
 from tf_gba.distribute.local_cluster import free_ports
 from tf_gba.distribute.server import _watch_parent  # pylint: disable=protected-access
 
@@ -200,10 +201,8 @@ def _worker_main(args) -> int:
   with open(tmp, "w") as f:
     json.dump(payload, f)
   os.replace(tmp, args.result_file)
-  sys.stdout.flush()
-  sys.stderr.flush()
-  # os._exit: skip interpreter teardown, where TF's collective/gRPC threads can hang the exit.
-  os._exit(code)  # pylint: disable=protected-access
+  # Without interpreter teardown, where TF's collective/gRPC threads can hang the exit.
+  exiting.exit_now(code)
 
 
 def main(argv=None) -> int:
