@@ -101,3 +101,33 @@ def test_write_and_print(tmp_path, capsys):
   assert "summary (sync, deepfm, synthetic): 12 worker steps, 192 examples" in out
   assert "eval logloss          0.6900" in out
   assert "malformed rows        3 of 600 rows checked, skipped" in out
+
+
+def _printable(config, **fields):
+  return summary_lib.new(config, num_aggregate=1, steps=8, examples=128, wall_seconds=1.0,
+                         global_qps=128.0, qps_measured_over_steps=8, global_step=8,
+                         per_worker=[{"worker": 0, "qps": 128.0}], eval_auc=0.6,
+                         eval_logloss=0.7, checkpoint="ckpt-8", **fields)
+
+
+def test_dts_and_shadow_summaries_print_the_common_block_with_their_own_line(capsys):
+  summary_lib.print_summary(_printable(TrainConfig(mode="dts", steps=8), dts_delay=4,
+                                       dts_period=2, exchanges=4))
+  out = capsys.readouterr().out
+  assert out.startswith("=" * 72) and "summary (dts, deepfm, synthetic): 8 worker steps" in out
+  assert "  dts                   delay 4, period 2: 4 all-reduces" in out
+  assert "dense replicas" not in out
+  shadow = _printable(TrainConfig(mode="shadow_easgd", steps=8), sync={"mean_sync_gap": 1.25},
+                      replica_spread_before_final_sync=0.0565,
+                      replica_spread_after_final_sync=7.07e-7)
+  assert summary_lib.unknown_keys(shadow) == []
+  summary_lib.print_summary(shadow)
+  out = capsys.readouterr().out
+  assert "summary (shadow_easgd, deepfm, synthetic): 8 worker steps" in out
+  assert ("  dense replicas        mean sync gap 1.25 steps; spread 0.0565 -> 7.07e-07 at the "
+          "final sync") in out
+  assert "  dts " not in out
+  # A resumed run with nothing left to train has no gap and no spread to report.
+  summary_lib.print_summary(dict(shadow, sync={"mean_sync_gap": None},
+                                 replica_spread_before_final_sync=None))
+  assert "mean sync gap - steps; spread - -> 7.07e-07" in capsys.readouterr().out

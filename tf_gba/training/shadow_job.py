@@ -839,10 +839,6 @@ def _evaluate(cfg, info, data_kwargs, checkpoint_path: str) -> Dict:
   return metrics.evaluate_binary(model, eval_dataset(cfg, data_kwargs))
 
 
-def _fmt(x) -> str:
-  return "-" if x is None else f"{x:.2f}"
-
-
 def run(config) -> Dict:
   """What the training binary runs for these modes: a local cluster (or TF_CONFIG's), the
   training, the summary (printed, and written to model_dir/summary.json). The flags and data were
@@ -858,10 +854,6 @@ def run(config) -> Dict:
       summary = train(config, cluster.resolver(), config.num_workers, config.num_ps,
                       cluster=cluster)
   summary_lib.write(config.model_dir, summary)
-  s = summary
-  _log(f"tf_gba: {s['mode']} done: {s['steps']} worker steps, global QPS {s['global_qps']:,.0f}, "
-       f"eval AUC {s['eval_auc']:.4f}, mean sync gap {_fmt(s['sync']['mean_sync_gap'])} steps, "
-       f"replica spread {s['replica_spread_before_final_sync']:.3g} -> "
-       f"{s['replica_spread_after_final_sync']:.3g}")
+  summary_lib.print_summary(summary)
   return summary
 

@@ -85,6 +85,10 @@ def data_line(s: dict) -> str:
           f"checked{scope}, skipped")
 
 
+def _number(x, spec: str) -> str:
+  return "-" if x is None else format(x, spec)
+
+
 def print_summary(s: dict) -> None:
   lines = [
       "=" * 72,
@@ -108,6 +112,12 @@ def print_summary(s: dict) -> None:
                      for w in s["per_worker"])] if s.get("max_lead") is not None else []),
       *([f"  hop_bw                {s['ignored_gradients']} gradients of an older version "
          "ignored"] if s["mode"] == "hop_bw" else []),
+      *([f"  dts                   delay {s['dts_delay']}, period {s['dts_period']}: "
+         f"{s['exchanges']} all-reduces"] if s["mode"] == "dts" else []),
+      *([f"  dense replicas        mean sync gap {_number(s['sync'].get('mean_sync_gap'), '.2f')} "
+         f"steps; spread {_number(s['replica_spread_before_final_sync'], '.3g')} -> "
+         f"{_number(s['replica_spread_after_final_sync'], '.3g')} at the final sync"]
+        if s.get("sync") else []),
       *([f"  data list             {s['data_list']['batches']} batches "
          f"({s['data_list']['examples']:,} examples) of {s['data_list']['listed_batches']} "
          f"listed; per worker "
