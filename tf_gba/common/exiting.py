@@ -5,7 +5,7 @@ collective threads can hang interpreter teardown, or log about remote handles th
 can no longer release. That also skips `atexit` handlers, and one of them matters: TensorFlow's
 AutoGraph writes the converted source of every traced Python function to
 `<tmp>/__autograph_generated_file*.py` and removes it only from an `atexit` handler, so each run
-would leave a few dozen files in the temporary directory. `exit_now` removes them first.
+would leave files there (20 for a `make demo`). `exit_now` removes them first.
 
 Imports nothing beyond the standard library (the binary's supervisor stays free of TensorFlow).
 """
