@@ -569,7 +569,7 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
       _add_data_list(summary, shared.report(), config)
     summary["skipped_checkpoints"] = job.skipped_checkpoints
     summary["periodic_checkpoints"] = len(periodic.saved) if periodic else 0
-    summary.update(_log_fields(config))
+    summary.update(summary_lib.log_fields(config))
     summary.update({
         "target_global_step": resume.target_global_step, "restarts": resume.restarts,
         "restart_causes": resume.restart_causes,
@@ -647,10 +647,6 @@ def _add_data_list(summary: dict, report: dict, config: TrainConfig) -> None:
   summary["examples"] = report["examples"]
   summary["duplicates"] = report["duplicates"]
   summary["missed"] = report["missed"]
-
-
-def _log_fields(config: TrainConfig) -> dict:
-  return {"logs": config.log_dir, "logs_kept": config.keep_logs} if config.log_dir else {}
 
 
 def _optimizer_stats(optimizer) -> dict:

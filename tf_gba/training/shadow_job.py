@@ -853,6 +853,7 @@ def run(config) -> Dict:
                       log_dir=config.log_dir, keep_logs=config.keep_logs) as cluster:
       summary = train(config, cluster.resolver(), config.num_workers, config.num_ps,
                       cluster=cluster)
+  summary.update(summary_lib.log_fields(config))
   summary_lib.write(config.model_dir, summary)
   summary_lib.print_summary(summary)
   return summary

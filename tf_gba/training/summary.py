@@ -79,6 +79,11 @@ def data_fields(report: dict) -> dict:
           "data_fully_checked": report["fully_checked"]}
 
 
+def log_fields(config) -> dict:
+  """Where the binary put the processes' logs (`--keep_logs`), as summary keys; none without."""
+  return {"logs": config.log_dir, "logs_kept": config.keep_logs} if config.log_dir else {}
+
+
 def data_line(s: dict) -> str:
   scope = "" if s["data_fully_checked"] else " (of the first rows, read before training)"
   return (f"  malformed rows        {s['malformed_rows']} of {s['data_rows_checked']:,} rows "
