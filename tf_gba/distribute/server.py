@@ -24,13 +24,17 @@ import sys
 import threading
 import time
 
+from tf_gba.common import exiting
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def _watch_parent(parent_pid: int) -> None:
   while True:
     if os.getppid() != parent_pid:
-      os._exit(0)  # orphaned: the launcher died without cleaning up
+      # Orphaned: the launcher died without cleaning up. (Sync's collective workers, which trace
+      # functions, watch their launcher with this too.)
+      exiting.exit_now(0)
     time.sleep(1.0)
 
 
