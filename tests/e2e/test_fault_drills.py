@@ -3,8 +3,8 @@
 Each drill runs the training binary as a user does (a subprocess, real server processes on
 127.0.0.1), waits until training is under way, kills one process with SIGKILL and checks that the
 run (or, for the coordinator, the rerun of the same command) ends at the requested global step,
-with at most one checkpoint interval of steps trained again, and an AUC close to the one of an
-undisturbed run. Every drill runs under a time limit: a hang fails it.
+with at most one checkpoint interval of steps trained again, and an AUC no more than 0.03 below
+the one of an undisturbed run. Every drill runs under a time limit: a hang fails it.
 """
 
 import json
@@ -157,6 +157,16 @@ def _undisturbed(mode, tmp_path_factory):
   return _UNDISTURBED[mode]
 
 
+def _check_auc(summary, reference):
+  """A resume that lost or mixed up state (a replica or embedding not restored, slots of another
+  variable) ends below the undisturbed run of the same seed. One-sided: a resumed run has trained
+  the redone steps on top (counted and bounded by the callers), and the workers' timing orders
+  the pushes differently in every run. Measured on shadow_ma (--num_workers=2, 400 steps):
+  undisturbed 0.683-0.707 over 10 runs, resumed after a lost worker or server 0.705-0.714 over 7."""
+  assert summary["eval_auc"] > reference["eval_auc"] - 0.03, (summary["eval_auc"],
+                                                              reference["eval_auc"])
+
+
 def _check_finished(summary, mode, reference, rerun_steps=0):
   """`rerun_steps`: worker steps that may have run twice (see the killed-worker drill)."""
   m = summary["num_aggregate"]
@@ -174,9 +184,7 @@ def _check_finished(summary, mode, reference, rerun_steps=0):
         summary["batches_reread"], summary["steps_redone"], m)
   else:
     assert summary["batches_reread"] == summary["steps_redone"] * m
-  # Within noise of the undisturbed run (the same seed; only the order of pushes differs).
-  assert abs(summary["eval_auc"] - reference["eval_auc"]) < 0.03, (summary["eval_auc"],
-                                                                  reference["eval_auc"])
+  _check_auc(summary, reference)
   assert summary["mode"] == mode
   data_list = summary.get("data_list")
   if data_list and summary["restarts"]:
@@ -346,8 +354,7 @@ def test_replicated_modes_resume_from_the_last_checkpoint_after_a_lost_server(
     lines = re.findall(r"^step \d+/\d+  global step (\d+) ", out[:resumed.start()], re.M)
     assert summary["steps_redone"] == max(0, int(lines[-1]) - int(resumed.group(1))), out[-3000:]
   assert summary["periodic_checkpoints"] >= 1
-  assert abs(summary["eval_auc"] - reference["eval_auc"]) < 0.03, (summary["eval_auc"],
-                                                                  reference["eval_auc"])
+  _check_auc(summary, reference)
 
 
 def _tfdata_worker(root_pid):
