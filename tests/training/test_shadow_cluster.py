@@ -91,6 +91,36 @@ def test_replicas_agree_after_final_sync(tmp_path, mode):
   assert sum(summary["sync"]["syncs_per_worker"]) > 0
 
 
+def _shard_position(checkpoint):
+  reader = tf.train.load_checkpoint(checkpoint)
+  return reader.get_tensor("shard_position/batches/.ATTRIBUTES/VARIABLE_VALUE").tolist()
+
+
+def test_a_resumed_run_goes_on_in_each_workers_shard(tmp_path):
+  """The checkpoint holds the batches each worker trained in its shard, and a resumed run starts
+  each shard after them (tests/training/test_shard_position.py shows the skipped shard is the
+  uninterrupted one; the fault drills resume after real kills). A new run from a finished one's
+  checkpoint starts afresh, as the other modes' data list does."""
+  first, _ = train(config(tmp_path, "shadow_ma", steps=40))
+  trained = [w["steps"] for w in first["per_worker"]]
+  assert sum(trained) == 40 and first["restored_shard_batches"] == [0, 0]
+  assert _shard_position(first["checkpoint"]) == trained
+  # The record an 80-step run leaves when its coordinator dies just after the checkpoint at 40.
+  cfg = config(tmp_path, "shadow_ma", steps=80)
+  recovery.begin(cfg.model_dir, cfg.mode, cfg.steps, 0, target_if_new=80)
+  recovery.report(cfg.model_dir, 40)
+  resumed, _ = train(cfg)
+  assert (resumed["restarts"], resumed["start_global_step"], resumed["global_step"]) == (1, 40, 80)
+  assert resumed["restored_shard_batches"] == trained
+  now = [w["steps"] for w in resumed["per_worker"]]
+  assert _shard_position(resumed["checkpoint"]) == [a + b for a, b in zip(trained, now)]
+  # That run finished: the same command again is a new run of 80 steps more.
+  again, _ = train(cfg)
+  assert (again["restarts"], again["global_step"]) == (0, 160)
+  assert again["restored_shard_batches"] == [0, 0]
+  assert _shard_position(again["checkpoint"]) == [w["steps"] for w in again["per_worker"]]
+
+
 @pytest.mark.parametrize("mode", ["shadow_easgd", "shadow_ma"])
 def test_training_continues_while_a_sync_is_in_flight(tmp_path, mode):
   # Every sync takes at least 400 ms (injected between its read and its write-back); steps

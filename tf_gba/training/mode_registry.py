@@ -248,7 +248,8 @@ _SHADOW_FLAGS = frozenset({"stragglers", "straggler_seed", "shadow_alpha",
 _SHADOW_RUN = lazy("tf_gba.training.shadow_job:run")
 _SHADOW_VALIDATE = lazy("tf_gba.training.shadow_job:validate")
 _SHADOW_SUMMARY = ("restored_from", "replica_spread_before_final_sync",
-                   "replica_spread_after_final_sync", "sync", "shadow_alpha", "asgd")
+                   "replica_spread_after_final_sync", "sync", "shadow_alpha", "asgd",
+                   "restored_shard_batches")
 register(Mode(
     name="shadow_easgd", kind=PARAMETER_SERVER, validate=_SHADOW_VALIDATE,
     help="ShadowSync S-EASGD: dense replicas per worker, pulled elastically (--shadow_alpha) "

@@ -50,6 +50,7 @@ from tf_gba.training import preflight
 from tf_gba.training import recovery
 from tf_gba.training import resharding
 from tf_gba.training import summary as summary_lib
+from tf_gba.training.shard_position import ShardPosition
 from tf_gba.training.evaluation import eval_dataset
 
 SHADOW_MODES = ("shadow_easgd", "shadow_ma", "shadow_bmuf")
@@ -682,8 +683,10 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
   data_kwargs = cfg.data_kwargs()
   info = data_lib.data_info(cfg.data, **data_kwargs)
   rm = ReplicatedModel(cfg, info, num_workers, num_ps)
-  manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=rm.saved), cfg.model_dir,
-                                       max_to_keep=cfg.keep_checkpoints)
+  position = ShardPosition(num_workers, cfg.day, cfg.local_batch_size)
+  manager = tf.train.CheckpointManager(
+      tf.train.Checkpoint(model=rm.saved, shard_position=position.module), cfg.model_dir,
+      max_to_keep=cfg.keep_checkpoints)
   restored_from, _ = preflight.restore_latest_usable(
       cfg.model_dir, lambda path: resharding.restore_training_state(path, rm.master, rm.optimizer),
       _log)
@@ -696,10 +699,14 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
   resume = recovery.begin(cfg.model_dir, cfg.mode, cfg.steps, start_step,
                           target_if_new=start_step + cfg.steps)
   run_steps = max(0, resume.target_global_step - start_step)
+  # As the shared list's position in the other modes: only an interrupted run goes on in its
+  # data; a new run from a checkpoint (another day, another mode, --steps more) starts afresh.
+  position.restore(restored_from if resume.resumed else None, _log)
   if resume.resumed:
     _log(f"tf_gba: resuming an interrupted run (restart {resume.restarts}): global step "
          f"{start_step} of {resume.target_global_step}, {run_steps} worker steps left, "
-         f"{resume.steps_redone} global steps redone so far")
+         f"{resume.steps_redone} global steps redone so far, each worker's input going on "
+         f"after the {int(position.start.sum())} batches the checkpoint trained")
   profile = stragglers_lib.parse(cfg.stragglers)
   steps = [_step_function(rm, i, profile, cfg.straggler_seed) for i in range(num_workers)]
   iterators = []
@@ -707,7 +714,7 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
     ds = data_lib.make_dataset(cfg.data, split="train", batch_size=cfg.local_batch_size,
                                num_shards=num_workers, shard_index=i, day=cfg.day, repeat=True,
                                shuffle_seed=cfg.seed, strict=cfg.strict_data, **data_kwargs)
-    iterators.append(iter(ds.prefetch(2)))
+    iterators.append(iter(position.skip(ds, i).prefetch(2)))
   stop = threading.Event()
   errors: List[BaseException] = []
   counters = rt.StepCounters(num_workers)
@@ -754,6 +761,9 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
   warm_steps = budget.taken
 
   def save() -> str:
+    # Counted before the snapshot reads the replicas: every step counted is in them, and a step
+    # that finishes in between is trained again by a resumption rather than skipped.
+    position.record([counters[i] for i in range(num_workers)])
     rm.snapshot()
     return manager.save(checkpoint_number=int(rm.saved_optimizer.iterations.numpy()))
 
@@ -820,7 +830,7 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
       target_global_step=resume.target_global_step, restarts=resume.restarts,
       restart_causes=resume.restart_causes,
       steps_redone=resume.steps_redone, batches_reread=resume.steps_redone,
-      worker_restarts=0)
+      worker_restarts=0, restored_shard_batches=[int(b) for b in position.start])
   if cfg.mode in SHADOW_MODES:
     summary["shadow_alpha"] = cfg.shadow_alpha
   if coordination is not None:
