@@ -50,8 +50,8 @@ from tf_gba.training import preflight
 from tf_gba.training import recovery
 from tf_gba.training import resharding
 from tf_gba.training import summary as summary_lib
-from tf_gba.training.shard_position import ShardPosition
 from tf_gba.training.evaluation import eval_dataset
+from tf_gba.training.shard_position import ShardPosition
 
 SHADOW_MODES = ("shadow_easgd", "shadow_ma", "shadow_bmuf")
 MODES = SHADOW_MODES + ("asgd_nodelay",)

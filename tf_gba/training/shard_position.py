@@ -8,8 +8,9 @@ checkpoint stores how many batches each worker had trained, with the day and the
 size they are counted in, and a resumed run (one that goes on toward an interrupted run's
 target) of the same shape skips that many batches of each shard. A new run from a checkpoint
 (the next day, another mode, `--steps` more after a finished run) starts every shard afresh, as
-the shared data list does in the other modes. It is a variable of the checkpoint itself, written in the same atomic write as the
-parameters, so the checkpoint chosen on restore brings its own position.
+the shared data list does in the other modes. The position is a variable of the checkpoint
+itself, written in the same atomic write as the parameters, so the checkpoint chosen on restore
+brings its own position.
 """
 
 from typing import Callable, Optional, Sequence
