@@ -75,10 +75,11 @@ def _ports_of_servers(root_pid):
 
 
 def _probe_during_run(hosts, tmp_path, *flags):
-  cmd = ["nsenter", "-t", str(hosts.machine), "-n", *drills._command("gba", str(tmp_path / "m")),  # pylint: disable=protected-access
+  model_dir = str(tmp_path / "m")
+  cmd = ["nsenter", "-t", str(hosts.machine), "-n", *drills._command("gba", model_dir),  # pylint: disable=protected-access
          "--steps=4000", *flags]
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=drills._env(), cwd=_ROOT)  # pylint: disable=protected-access
+                          env=drills._env(model_dir), cwd=_ROOT)  # pylint: disable=protected-access
   try:
     deadline = time.time() + 300
     while time.time() < deadline:

@@ -33,8 +33,14 @@ def _command(mode, model_dir):
           f"--model_dir={model_dir}"]
 
 
-def _env():
-  return dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def _env(model_dir):
+  """The binary's environment. TMPDIR beside `model_dir`, in pytest's temporary directory, for
+  every process of the job: a process a drill kills cannot remove what it wrote there
+  (AutoGraph's generated sources), and pytest removes it with its old runs."""
+  tmp = os.path.join(os.path.dirname(os.path.abspath(model_dir)), "tmp")
+  os.makedirs(tmp, exist_ok=True)
+  return dict(os.environ, TMPDIR=tmp,
+              PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 class _Run:
@@ -42,7 +48,8 @@ class _Run:
 
   def __init__(self, mode, model_dir, command=None):
     self.proc = subprocess.Popen(command or _command(mode, model_dir), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=_env(), cwd=_ROOT)
+                                 stderr=subprocess.PIPE, text=True, env=_env(model_dir),
+                                 cwd=_ROOT)
     self.out, self.err = [], []
     self._threads = [threading.Thread(target=self._pump, args=(s, b), daemon=True)
                      for s, b in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]

@@ -75,7 +75,7 @@ class _DayRun(drills._Run):
   def __init__(self, model_dir):  # pylint: disable=super-init-not-called
     import subprocess, sys, threading  # pylint: disable=g-import-not-at-top,multiple-imports
     self.proc = subprocess.Popen(_day_command(model_dir), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=drills._env(),
+                                 stderr=subprocess.PIPE, text=True, env=drills._env(model_dir),
                                  cwd=drills._ROOT)
     self.out, self.err = [], []
     self._threads = [threading.Thread(target=self._pump, args=(s, b), daemon=True)
