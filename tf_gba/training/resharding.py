@@ -35,7 +35,7 @@ Example:
   report = restore_training_state(checkpoint_path, model, optimizer)
 """
 
-from typing import List
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -256,6 +256,21 @@ def _name(v) -> str:
 
 
 # ---- reading and assigning -----------------------------------------------------------------------
+def saved_module(path: Optional[str], name: str,
+                 fields: Sequence[str]) -> Optional[Dict[str, np.ndarray]]:
+  """The values of the variables `fields` of the tf.Module saved at the root of checkpoint `path`
+  as `name` (`tf.train.Checkpoint(..., name=module)`: the data, straggler and shard positions),
+  or None without a checkpoint (`path` None) or when it lacks any of them."""
+  if not path:
+    return None
+  reader = tf.train.load_checkpoint(path)
+  shapes = reader.get_variable_to_shape_map()
+  keys = {f: f"{name}/{f}/.ATTRIBUTES/VARIABLE_VALUE" for f in fields}
+  if not all(k in shapes for k in keys.values()):
+    return None
+  return {f: reader.get_tensor(k) for f, k in keys.items()}
+
+
 def _read(prefix, key, dtype, full_shape=None, rows=None):
   """The saved tensor `key`, or only `rows` = (start, count) of its first dimension.
 

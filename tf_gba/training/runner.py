@@ -278,17 +278,13 @@ class _Job:
     position.elapsed_ns = tf.Variable(tf.zeros([n], tf.int64), trainable=False,
                                       name="elapsed_ns")
     self.checkpoint.straggler_position = position
-    if self.restored_from:
-      reader = tf.train.load_checkpoint(self.restored_from)
-      shapes = reader.get_variable_to_shape_map()
-      keys = [f"straggler_position/{name}/.ATTRIBUTES/VARIABLE_VALUE"
-              for name in ("steps", "elapsed_ns")]
-      if all(shapes.get(k) == [n] for k in keys):
-        steps, elapsed = (reader.get_tensor(k) for k in keys)
-        stragglers_lib.set_positions(steps, elapsed)
-        position.steps.assign(steps)
-        position.elapsed_ns.assign(elapsed)
-      # Another worker count: worker i of this run is not worker i of that one; start afresh.
+    saved = resharding.saved_module(self.restored_from, "straggler_position",
+                                    ("steps", "elapsed_ns"))
+    if saved and all(v.shape == (n,) for v in saved.values()):
+      stragglers_lib.set_positions(saved["steps"], saved["elapsed_ns"])
+      position.steps.assign(saved["steps"])
+      position.elapsed_ns.assign(saved["elapsed_ns"])
+    # Another worker count: worker i of this run is not worker i of that one; start afresh.
     return position
 
   def track_data_position(self, shared) -> None:
@@ -309,16 +305,10 @@ class _Job:
 
   def restored_data_position(self, shared) -> Optional[np.ndarray]:
     """Per-batch trainings stored in the checkpoint restored, or None (none, or another list)."""
-    if not self.restored_from:
+    saved = resharding.saved_module(self.restored_from, "data_position", ("seen", "day"))
+    if saved is None:
       return None
-    reader = tf.train.load_checkpoint(self.restored_from)
-    keys = reader.get_variable_to_shape_map()
-    seen_key = "data_position/seen/.ATTRIBUTES/VARIABLE_VALUE"
-    day_key = "data_position/day/.ATTRIBUTES/VARIABLE_VALUE"
-    if seen_key not in keys or day_key not in keys:
-      return None
-    seen = reader.get_tensor(seen_key)
-    day = int(reader.get_tensor(day_key))
+    seen, day = saved["seen"], int(saved["day"])
     if seen.shape != (shared.num_batches,) or day != (-1 if self.config.day is None
                                                       else self.config.day):
       _log(f"tf_gba: the data position in {self.restored_from} is of another list (day {day}, "

@@ -18,11 +18,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_gba.training import resharding
+
 _PREFIX = "shard_position"
-
-
-def _key(name: str) -> str:
-  return f"{_PREFIX}/{name}/.ATTRIBUTES/VARIABLE_VALUE"
 
 
 class ShardPosition:
@@ -52,20 +50,16 @@ class ShardPosition:
     batch size): worker i of that run did not read this run's shard i in batches of this size.
     """
     self.start = np.zeros([self.num_workers], np.int64)
-    if path:
-      reader = tf.train.load_checkpoint(path)
-      shapes = reader.get_variable_to_shape_map()
-      if all(_key(n) in shapes for n in ("batches", "day", "batch_size")):
-        batches = reader.get_tensor(_key("batches"))
-        day = int(reader.get_tensor(_key("day")))
-        batch_size = int(reader.get_tensor(_key("batch_size")))
-        if (batches.shape == (self.num_workers,) and day == self.day
-            and batch_size == self.batch_size):
-          self.start = batches.astype(np.int64)
-        else:
-          log(f"tf_gba: the input position in {path} is of another run ({batches.shape[0]} "
-              f"workers, day {day}, local batch {batch_size}); every worker's shard starts "
-              "from its beginning")
+    saved = resharding.saved_module(path, _PREFIX, ("batches", "day", "batch_size"))
+    if saved:
+      batches, day, batch_size = saved["batches"], int(saved["day"]), int(saved["batch_size"])
+      if (batches.shape == (self.num_workers,) and day == self.day
+          and batch_size == self.batch_size):
+        self.start = batches.astype(np.int64)
+      else:
+        log(f"tf_gba: the input position in {path} is of another run ({batches.shape[0]} "
+            f"workers, day {day}, local batch {batch_size}); every worker's shard starts "
+            "from its beginning")
     self.module.batches.assign(self.start)
     return self.start
 

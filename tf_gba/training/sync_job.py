@@ -393,13 +393,10 @@ def run_worker(config: dict, auto: dict = None) -> dict:
 def _restore_straggler_position(path: str, num_workers: int, task: int) -> None:
   """Puts this worker's straggler position stored in checkpoint `path` (by this mode or a
   parameter-server mode with the same number of workers) on this worker's process."""
-  reader = tf.train.load_checkpoint(path)
-  shapes = reader.get_variable_to_shape_map()
-  keys = [f"straggler_position/{name}/.ATTRIBUTES/VARIABLE_VALUE"
-          for name in ("steps", "elapsed_ns")]
-  if not all(shapes.get(k) == [num_workers] for k in keys):
+  saved = resharding.saved_module(path, "straggler_position", ("steps", "elapsed_ns"))
+  if not saved or any(v.shape != (num_workers,) for v in saved.values()):
     return  # none stored, or another number of workers: worker i is not that run's worker i
-  steps, elapsed = (reader.get_tensor(k) for k in keys)
+  steps, elapsed = saved["steps"], saved["elapsed_ns"]
   # Eagerly, without a device: the op sets the counters of the process it runs in, this one.
   stragglers_lib._ops().gba_set_step_position(  # pylint: disable=protected-access
       tf.constant(int(steps[task]), tf.int64), tf.constant(int(elapsed[task]), tf.int64))
