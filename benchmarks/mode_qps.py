@@ -22,7 +22,11 @@ p:f has mean 1 + p (f - 1)). No mode that keeps every worker busy can go faster.
 the workers' mean share of the measured time spent inside their steps (compute and injected
 delay, parameter-server modes): the rest is each step's dispatch, result and input read (a
 logging interval's end does not stop the workers, tf_gba/training/pipelining.py). A mode that
-never waits reaches about that share of the limit.
+never waits reaches about that share of the limit. Under the table, the Sync bound of each such
+profile: N x local batch / E[slowest of the N workers' step times], what a synchronous mode
+would run if each step waited for its slowest worker and nothing else. Limit / bound is the
+smallest ratio to Sync a mode at the limit can show; a larger measured ratio is Sync's own
+overhead on this machine.
 """
 
 import argparse
@@ -45,6 +49,40 @@ PROFILES = {"none": "none", "transient": "transient:0.2:4+persistent:2@0",
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _step_factors(profile: str, num_workers: int):
+  """The profile's compute floor (s) and, per worker, the distribution of its slowdown factor as
+  {factor: probability}: persistent factors multiply every draw, each transient p:f is an
+  independent draw (f with probability p, else 1). (None, None) without a floor or for a trace,
+  which has no fixed distribution."""
+  canonical = stragglers_lib.parse(PROFILES.get(profile, profile))
+  floor_s, dists = None, [{1.0: 1.0} for _ in range(num_workers)]
+
+  def times(dist, draw):
+    out = {}
+    for a, pa in dist.items():
+      for b, pb in draw.items():
+        out[a * b] = out.get(a * b, 0.0) + pa * pb
+    return out
+
+  for part in canonical.split("+"):
+    kind, *fields = part.split(";")
+    if kind == "compute":
+      floor_s = float(fields[0]) / 1000.0
+    elif kind == "transient":
+      p, f = float(fields[0]), float(fields[1])
+      dists = [times(d, {f: p, 1.0: 1.0 - p}) for d in dists]
+    elif kind == "persistent":
+      for entry in fields[0].split(","):
+        w, f = entry.split("=")
+        if int(w) < num_workers:
+          dists[int(w)] = times(dists[int(w)], {float(f): 1.0})
+    elif kind == "trace":
+      return None, None
+  if floor_s is None:
+    return None, None
+  return floor_s, dists
+
+
 def ps_limit_qps(profile: str, num_workers: int, local_batch_size: int) -> Optional[float]:
   """Sum of the workers' expected rates (examples/s) under `profile`; None without a floor.
 
@@ -52,25 +90,46 @@ def ps_limit_qps(profile: str, num_workers: int, local_batch_size: int) -> Optio
   E[slowdown] the product of its persistent factors and of 1 + p (f - 1) for each transient p:f
   (independent draws). A trace profile has no fixed expectation: None.
   """
-  canonical = stragglers_lib.parse(PROFILES.get(profile, profile))
-  floor_s, factors = None, [1.0] * num_workers
-  for part in canonical.split("+"):
-    kind, *fields = part.split(";")
-    if kind == "compute":
-      floor_s = float(fields[0]) / 1000.0
-    elif kind == "transient":
-      p, f = float(fields[0]), float(fields[1])
-      factors = [x * (1.0 + p * (f - 1.0)) for x in factors]
-    elif kind == "persistent":
-      for entry in fields[0].split(","):
-        w, f = entry.split("=")
-        if int(w) < num_workers:
-          factors[int(w)] *= float(f)
-    elif kind == "trace":
-      return None
+  floor_s, dists = _step_factors(profile, num_workers)
   if floor_s is None:
     return None
-  return sum(local_batch_size / (floor_s * x) for x in factors)
+  return sum(local_batch_size / (floor_s * sum(f * p for f, p in d.items())) for d in dists)
+
+
+def sync_bound_qps(profile: str, num_workers: int, local_batch_size: int) -> Optional[float]:
+  """The fastest a synchronous mode can run under `profile` (examples/s); None without a floor.
+
+  Every global step waits for the slowest of the workers' steps, drawn independently, and nothing
+  else: N x B / E[max_w floor x slowdown_w]. A real Sync adds its all-reduce and dispatch, so it is
+  slower; a mode at the parameter-server limit is therefore at least limit / bound times a Sync.
+  """
+  floor_s, dists = _step_factors(profile, num_workers)
+  if floor_s is None:
+    return None
+  values = sorted({f for d in dists for f in d})
+  expected_max, below = 0.0, 0.0
+  for v in values:  # P(max <= v) is the product of the workers' P(factor <= v)
+    at_or_below = 1.0
+    for d in dists:
+      at_or_below *= sum(p for f, p in d.items() if f <= v)
+    expected_max += v * (at_or_below - below)
+    below = at_or_below
+  return num_workers * local_batch_size / (floor_s * expected_max)
+
+
+def bound_line(profile: str, num_workers: int, local_batch_size: int,
+               sync_qps: Optional[float]) -> Optional[str]:
+  """Under the table: what the profile allows a mode at the limit against a Sync, and how near
+  the measured Sync came to its bound; None for a profile without a floor."""
+  limit = ps_limit_qps(profile, num_workers, local_batch_size)
+  bound = sync_bound_qps(profile, num_workers, local_batch_size)
+  if limit is None:
+    return None
+  measured = (f"; sync measured {sync_qps:,.0f} = {sync_qps / bound:.2f} of its bound, "
+              f"so a mode at the limit is {limit / sync_qps:.2f}x it" if sync_qps else "")
+  return (f"{profile}: PS limit {limit:,.0f}, Sync bound {bound:,.0f} examples/s (each step "
+          f"waits only for its slowest worker): a mode at the limit is {limit / bound:.2f}x an "
+          f"ideal Sync{measured}")
 
 
 def _in_step(summary: dict) -> Optional[float]:
@@ -176,6 +235,7 @@ def main(argv=None):
     async_ = mean_qps("async", profile) or mean_qps(f"async/{inputs[0]}", profile)
     gba = mean_qps("gba", profile) or mean_qps(f"gba/{inputs[0]}", profile)
     limit = ps_limit_qps(profile, args.num_workers, args.local_batch_size)
+    bound = sync_bound_qps(profile, args.num_workers, args.local_batch_size)
     for mode in modes:
       runs = results[(mode, profile)]
       qps = statistics.mean(s["global_qps"] for s in runs)
@@ -190,7 +250,8 @@ def main(argv=None):
              "eval_auc": last["eval_auc"],
              "vs_sync": qps / sync if sync else None, "vs_async": qps / async_ if async_ else None,
              "vs_gba": qps / gba if gba else None, "ps_limit_qps": limit,
-             "vs_limit": qps / limit if limit else None, "num_workers": args.num_workers,
+             "vs_limit": qps / limit if limit else None, "sync_bound_qps": bound,
+             "num_workers": args.num_workers,
              "load_average": list(load)}
       table.append(row)
       ratio = lambda r: f"{r:.2f}" if r else "-"  # pylint: disable=unnecessary-lambda-assignment
@@ -201,6 +262,10 @@ def main(argv=None):
             f"{ratio(row['in_step_fraction'])} | "
             f"{row['mean_staleness']:.2f} / {row['max_staleness']} | {row['dropped_batches']} | "
             f"{row['blocked_seconds']:.1f} | {row['eval_auc']:.4f} |")
+  for profile in profiles:
+    line = bound_line(profile, args.num_workers, args.local_batch_size, mean_qps("sync", profile))
+    if line:
+      print(line)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "results.json"), "w") as f:
     json.dump(table, f, indent=2)
