@@ -10,6 +10,47 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
+# The run's temporary directory. Every process of a test run (the module processes, the binaries
+# and servers the tests start) inherits it through TMPDIR, so what a process cannot remove itself
+# stays there instead of in the system's temporary directory: the logs of a binary or a cluster a
+# test kills on purpose, AutoGraph's generated sources, what TF's runtime prints at exit. The next
+# run removes it. Under Bazel, which gives each test a TMPDIR of its own, nothing changes.
+_RUN_TMP_ENV = "TF_GBA_TEST_RUN_TMPDIR"
+_RUN_TMP_PREFIX = "tf_gba_tests_"
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def _run_tmpdir() -> str:
+  import shutil  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  path = os.environ.get(_RUN_TMP_ENV)
+  if path is None and "TEST_TMPDIR" not in os.environ:  # a run's top-level pytest
+    system_tmp = tempfile.gettempdir()
+    for name in os.listdir(system_tmp):  # earlier runs' directories, not a run still going
+      pid = name[len(_RUN_TMP_PREFIX):]
+      if name.startswith(_RUN_TMP_PREFIX) and pid.isdigit() and not _pid_alive(int(pid)):
+        shutil.rmtree(os.path.join(system_tmp, name), ignore_errors=True)
+    path = os.path.join(system_tmp, f"{_RUN_TMP_PREFIX}{os.getpid()}")
+    os.makedirs(path, exist_ok=True)
+    os.environ[_RUN_TMP_ENV] = path
+  if path is not None:
+    os.environ["TMPDIR"] = path
+    tempfile.tempdir = path
+  return path or tempfile.gettempdir()
+
+
+_EXIT_LOG = os.path.join(_run_tmpdir(), "pytest_exit.log")
+
+
 import tf_gba  # noqa: E402,F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 
 # One process per test module (why: module_process.py's docstring).
@@ -29,12 +70,11 @@ def pytest_unconfigure(config):
   At interpreter exit TF tries to release remote handles on the servers of the tests' local
   clusters, long gone by then, and logs a "Failed to register function remotely ... Connection
   refused" block for each on file descriptor 2, past pytest's capture. Nothing there is about the
-  tests' results; the file keeps it for whoever wants to look.
+  tests' results; the file (`pytest_exit.log` in the run's temporary directory, one for every
+  process of the run) keeps it for whoever wants to look.
   """
   del config
-  import tempfile  # pylint: disable=g-import-not-at-top
-  fd = os.open(os.path.join(tempfile.gettempdir(), f"tf_gba_pytest_exit_{os.getpid()}.log"),
-               os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+  fd = os.open(_EXIT_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
   os.dup2(fd, 2)
   os.close(fd)
 
