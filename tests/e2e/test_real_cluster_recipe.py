@@ -1,8 +1,9 @@
-"""README's TF_CONFIG recipe for a real cluster, run as written: separate processes on 127.0.0.1.
+"""The TF_CONFIG recipe for a real cluster (docs/real_clusters.md), run as written.
 
-The lines between the recipe's code fences are run by bash as they are, with the hosts and ports
-of the README's example replaced by free ports on 127.0.0.1, `.venv/bin/python` by this
-interpreter, and the chief given a small job (later flags override earlier ones).
+Separate processes on 127.0.0.1: the lines between the recipe's code fences are run by bash as
+they are, with the hosts and ports of the page's example replaced by free ports on 127.0.0.1,
+`.venv/bin/python` by this interpreter, and the chief given a small job (later flags override
+earlier ones).
 """
 
 import json
@@ -18,14 +19,14 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 def _recipe() -> str:
-  with open(os.path.join(_ROOT, "README.md")) as f:
+  with open(os.path.join(_ROOT, "docs", "real_clusters.md")) as f:
     text = f.read()
   block = re.search(r"<!-- tf-config-recipe.*?-->\n```\n(.*?)```", text, re.S)
-  assert block, "README has no TF_CONFIG recipe"
+  assert block, "docs/real_clusters.md has no TF_CONFIG recipe"
   return block.group(1)
 
 
-def test_readme_tf_config_recipe_trains(tmp_path):
+def test_documented_tf_config_recipe_trains(tmp_path):
   script = _recipe()
   hosts = sorted(set(re.findall(r"\b[ab]:\d+", script)))
   assert hosts == ["a:2222", "a:2223", "a:2224", "a:2225", "b:2222", "b:2223"]
