@@ -40,6 +40,7 @@ import gzip
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 import zlib
@@ -465,6 +466,8 @@ def define_flags() -> None:
                        "2**hash_bits.")
   flags.DEFINE_string("output_dir", defaults.output_dir, "Where results are written.")
   flags.DEFINE_bool("plot", defaults.plot, "Write logloss_vs_delay.png (needs matplotlib).")
+  flags.DEFINE_bool("dry_run", False, "Check the flags, print one line and exit without "
+                    "running anything.")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -478,11 +481,24 @@ def main(argv: Sequence[str]) -> None:
   tf.config.threading.set_intra_op_parallelism_threads(1)
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
-  run(Config(num_examples=f.num_examples, delays=tuple(int(d) for d in f.delays),
-             patterns=tuple(f.patterns), algorithms=tuple(f.algorithms),
-             alpha_grid=tuple(float(a) for a in f.alpha_grid), tune_each=f.tune_each, g0=f.g0,
-             seed=f.seed,
-             criteo=f.criteo, hash_bits=f.hash_bits, output_dir=f.output_dir, plot=f.plot))
+  try:
+    config = Config(num_examples=f.num_examples, delays=tuple(int(d) for d in f.delays),
+                    patterns=tuple(f.patterns), algorithms=tuple(f.algorithms),
+                    alpha_grid=tuple(float(a) for a in f.alpha_grid), tune_each=f.tune_each,
+                    g0=f.g0, seed=f.seed, criteo=f.criteo, hash_bits=f.hash_bits,
+                    output_dir=f.output_dir, plot=f.plot)
+    unknown = [pattern for pattern in config.patterns if pattern not in PATTERNS]
+    if unknown:
+      raise ValueError(f"Unknown delay pattern {unknown[0]!r}; expected one of {PATTERNS}.")
+    unknown = [a for a in config.algorithms if a not in ALGORITHMS]
+    if unknown:
+      raise ValueError(f"Unknown algorithm {unknown[0]!r}; expected some of {ALGORITHMS}.")
+  except ValueError as e:
+    sys.exit(f"benchmarks.adaptive_revision_delay: error: {e}")
+  if f.dry_run:
+    print("benchmarks.adaptive_revision_delay: dry run: flags valid; nothing run.")
+    return
+  run(config)
 
 
 if __name__ == "__main__":

@@ -40,9 +40,19 @@ def main(argv=None):
   p.add_argument("--local_batch_size", type=int, default=256)
   p.add_argument("--out", default="runs/asgd_discrepancy")
   p.add_argument("--plot", default="")
+  p.add_argument("--dry_run", action="store_true",
+                 help="check the flags, print one line and exit without running anything")
   args = p.parse_args(argv)
-  taus = [int(x) for x in args.taus.split(",")]
-  workers = [int(x) for x in args.workers.split(",")]
+  try:
+    taus = [int(x) for x in args.taus.split(",")]
+    workers = [int(x) for x in args.workers.split(",")]
+  except ValueError:
+    p.error(f"--taus and --workers take comma-separated integers, got {args.taus!r} and "
+            f"{args.workers!r}")
+  if args.dry_run:
+    print(f"benchmarks.asgd_discrepancy: dry run: flags valid (tau {taus}, workers {workers}); "
+          "nothing run.")
+    return None
   lr = args.learning_rate
 
   info = data_lib.data_info("synthetic", num_examples=200_000)

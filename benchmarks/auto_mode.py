@@ -107,7 +107,20 @@ def main(argv=None):
   p.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "auto_timeline.png"))
   p.add_argument("--replot", default=None,
                  help="only draw the timeline of this auto run's summary.json")
+  p.add_argument("--dry_run", action="store_true",
+                 help="check the flags, print one line and exit without running anything")
   args = p.parse_args(argv)
+  for mode in args.modes.split(","):
+    try:
+      mode_registry.get(mode)
+    except ValueError as e:
+      p.error(f"--modes: {e}")
+  if not all(w.strip().isdigit() for w in args.slow_workers.split(",")):
+    p.error(f"--slow_workers takes comma-separated worker indices, got {args.slow_workers!r}")
+  if args.dry_run:
+    print(f"benchmarks.auto_mode: dry run: flags valid (modes {args.modes}, {args.seeds} seeds); "
+          "nothing run.")
+    return None
   if args.replot:
     with open(args.replot) as f:
       plot_timeline(json.load(f), args.plot, args.window_s)

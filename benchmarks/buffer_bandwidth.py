@@ -155,7 +155,12 @@ def main(argv=None):
   p.add_argument("--scaling", action="store_true",
                  help="run once per thread count from 1 to the machine's cores")
   p.add_argument("--quiet", action="store_true", help="no table (with --json)")
+  p.add_argument("--dry_run", action="store_true",
+                 help="check the flags, print one line and exit without running anything")
   args = p.parse_args(argv)
+  if args.dry_run:
+    print("benchmarks.buffer_bandwidth: dry run: flags valid; nothing measured.")
+    return None
   if args.scaling:
     passed = [a for a in (argv if argv is not None else sys.argv[1:])
               if not a.startswith(("--scaling", "--threads", "--json", "--quiet"))]

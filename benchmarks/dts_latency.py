@@ -34,6 +34,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 import tempfile
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -293,18 +294,29 @@ def define_flags() -> None:
   flags.DEFINE_integer("seed", d.seed, "Seed of the data and the initial weights.")
   flags.DEFINE_string("output_dir", d.output_dir, "Where results are written.")
   flags.DEFINE_bool("plot", d.plot, "Write dts_latency.png (needs matplotlib).")
+  flags.DEFINE_bool("dry_run", False, "Check the flags, print one line and exit without "
+                    "running anything.")
 
 
 def main(argv: Sequence[str]) -> None:
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
-  run(Config(replicas=f.replicas, steps=f.steps, per_replica_batch=f.per_replica_batch,
-             latencies=tuple(float(l) for l in f.latencies), configs=tuple(f.configs),
-             inner=f.inner, learning_rate=f.learning_rate, momentum=f.momentum,
-             features=f.features, hidden=f.hidden, eval_examples=f.eval_examples,
-             target_latency=f.target_latency, seed=f.seed, output_dir=f.output_dir,
-             plot=f.plot))
+  try:
+    config = Config(replicas=f.replicas, steps=f.steps, per_replica_batch=f.per_replica_batch,
+                    latencies=tuple(float(l) for l in f.latencies), configs=tuple(f.configs),
+                    inner=f.inner, learning_rate=f.learning_rate, momentum=f.momentum,
+                    features=f.features, hidden=f.hidden, eval_examples=f.eval_examples,
+                    target_latency=f.target_latency, seed=f.seed, output_dir=f.output_dir,
+                    plot=f.plot)
+    for name in config.configs:
+      parse_config(name)
+  except ValueError as e:
+    sys.exit(f"benchmarks.dts_latency: error: {e}")
+  if f.dry_run:
+    print("benchmarks.dts_latency: dry run: flags valid; nothing run.")
+    return
+  run(config)
 
 
 if __name__ == "__main__":

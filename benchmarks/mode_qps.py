@@ -32,6 +32,7 @@ overhead on this machine.
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -155,8 +156,9 @@ def flags_for(mode: str, extra) -> list:
   return out
 
 
-def run_one(mode: str, profile: str, steps: int, model_dir: str, extra, num_workers: int = 4,
-            local_batch_size: int = 256, input_mode: str = "shared") -> dict:
+def binary_flags(mode: str, profile: str, steps: int, model_dir: str, extra, num_workers: int = 4,
+                 local_batch_size: int = 256, input_mode: str = "shared") -> list:
+  """The flags of examples/train.py for one run of `mode` ("async_plain": the bare optimizer)."""
   binary_mode = "async" if mode.startswith("async") else mode
   # The binary refuses flags a mode does not read: the input only where the mode has one (the
   # extra flags are filtered the same way, `flags_for`).
@@ -168,9 +170,15 @@ def run_one(mode: str, profile: str, steps: int, model_dir: str, extra, num_work
            "--eval_examples=4096"]
   if mode == "async_plain":
     flags.append("--noasync_staleness_stats")
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train.py"), *flags,
-                         *flags_for(binary_mode, extra)], cwd=ROOT, capture_output=True,
-                        text=True, timeout=1200)
+  return flags + flags_for(binary_mode, extra)
+
+
+def run_one(mode: str, profile: str, steps: int, model_dir: str, extra, num_workers: int = 4,
+            local_batch_size: int = 256, input_mode: str = "shared") -> dict:
+  flags = binary_flags(mode, profile, steps, model_dir, extra, num_workers, local_batch_size,
+                       input_mode)
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train.py"), *flags],
+                        cwd=ROOT, capture_output=True, text=True, timeout=1200)
   if proc.returncode != 0:
     raise RuntimeError(f"{mode}/{profile} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
   with open(os.path.join(model_dir, "summary.json")) as f:
@@ -192,7 +200,20 @@ def main(argv=None):
                  help="parameter-server modes: where a straggler sleeps (before_push: a slow "
                       "machine's gradients arrive late and stale)")
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_mode_qps"))
+  p.add_argument("--dry_run", action="store_true",
+                 help="print the examples/train.py command of every run (check each with its "
+                      "own --dry_run) and exit without running anything")
   args, extra = p.parse_known_args(argv)
+  stray = [a for a in extra if not a.startswith("-")]
+  if stray:
+    p.error(f"unrecognized arguments: {' '.join(stray)} (the binary's flags, passed on, are "
+            "--name=value)")
+  for m in args.modes.split(","):
+    if m != "async_plain":
+      try:
+        mode_registry.get(m)
+      except ValueError as e:
+        p.error(f"--modes: {e}")
   # Passed on like any extra flag: flags_for gives it to the modes that read it.
   extra = [*extra, f"--straggler_delay={args.straggler_delay}"]
   inputs = args.inputs.split(",")
@@ -202,6 +223,14 @@ def main(argv=None):
   modes = [m if len(inputs) == 1 or not has_input(m) else f"{m}/{i}"
            for m in args.modes.split(",") for i in (inputs if has_input(m) else inputs[:1])]
   profiles = args.stragglers.split(",")
+  if args.dry_run:
+    for profile in profiles:
+      for mode in modes:
+        name, _, input_mode = mode.partition("/")
+        print(shlex.join(["examples/train.py", *binary_flags(
+            name, profile, args.steps, os.path.join(args.out, "dry_run"), extra,
+            args.num_workers, args.local_batch_size, input_mode or inputs[0])]))
+    return []
   results = {(m, s): [] for s in profiles for m in modes}
   for rep in range(args.repeats):
     for profile in profiles:

@@ -16,9 +16,11 @@ take at least that long, as on machines of their own (see benchmarks/mode_qps.py
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 
+from benchmarks.mode_qps import binary_flags
 from benchmarks.mode_qps import run_one
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,8 +36,26 @@ def main(argv=None):
   p.add_argument("--stragglers", default="compute:50")
   p.add_argument("--repeats", type=int, default=1)
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_shadow_overlap"))
+  p.add_argument("--dry_run", action="store_true",
+                 help="check the flags, print one line and exit without running anything")
   args, extra = p.parse_known_args(argv)
-  delays = [float(d) for d in args.delays_ms.split(",")]
+  stray = [a for a in extra if not a.startswith("-")]
+  if stray:
+    p.error(f"unrecognized arguments: {' '.join(stray)} (the binary's flags, passed on, are "
+            "--name=value)")
+  try:
+    delays = [float(d) for d in args.delays_ms.split(",")]
+  except ValueError:
+    p.error(f"--delays_ms takes comma-separated numbers, got {args.delays_ms!r}")
+  if args.dry_run:
+    # The runs are the binary's: each planned command line, to check with its own --dry_run.
+    for mode in args.modes.split(","):
+      for delay in delays:
+        print(shlex.join(["examples/train.py", *binary_flags(
+            mode, args.stragglers, args.steps, os.path.join(args.out, "dry_run"),
+            [f"--shadow_sync_delay_ms={delay}", *extra], args.num_workers,
+            args.local_batch_size, "sharded")]))
+    return None
   rows = {}
   for rep in range(args.repeats):
     for mode in args.modes.split(","):

@@ -100,6 +100,8 @@ def main(argv=None):
                  help="with --delay_after_push: the real work before the push")
   p.add_argument("--plots", default=None, help="folder for the PNG plots vs N (none if unset)")
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_simulate"))
+  p.add_argument("--dry_run", action="store_true",
+                 help="check the flags, print one line and exit without running anything")
   args = p.parse_args(argv)
   modes = args.modes.split(",")
   for m in modes:
@@ -110,6 +112,24 @@ def main(argv=None):
   except ValueError:
     p.error(f"--num_workers must be comma-separated integers, got {args.num_workers!r}")
   profile = profile_string(args.stragglers)
+  configs = {}
+  for n in sizes:
+    try:
+      configs[n] = SimConfig(num_workers=n, num_ps=args.num_ps, steps=args.steps,
+                             compute_ms=args.compute_ms, pull_ms=args.pull_ms,
+                             push_ms=args.push_ms, latency_ms=args.latency_ms,
+                             stragglers=profile, seed=args.seed,
+                             local_batch_size=args.local_batch_size, iota=args.iota,
+                             gba_num_aggregate=args.num_aggregate,
+                             bsp_aggregate=args.bsp_aggregate, hop_bs_bound=args.hop_bs_bound,
+                             hop_bw_backup=args.hop_bw_backup,
+                             delay_after_push=args.delay_after_push, work_ms=args.work_ms)
+    except ValueError as e:
+      p.error(str(e))
+  if args.dry_run:
+    print(f"benchmarks.simulate: dry run: flags valid ({len(sizes)} cluster sizes x {len(modes)} "
+          "modes); nothing simulated.")
+    return []
   rows = []
   print(f"profile {profile}; compute {args.compute_ms} ms, pull {args.pull_ms} ms, push "
         f"{args.push_ms} ms (/ {args.num_ps} PS), latency {args.latency_ms} ms; "
@@ -118,16 +138,7 @@ def main(argv=None):
         "| staleness histogram 0,1,2,3,4,5+ | dropped | idle | blocked s | simulated in |")
   print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   for n in sizes:
-    try:
-      config = SimConfig(num_workers=n, num_ps=args.num_ps, steps=args.steps,
-                         compute_ms=args.compute_ms, pull_ms=args.pull_ms,
-                         push_ms=args.push_ms, latency_ms=args.latency_ms, stragglers=profile,
-                         seed=args.seed, local_batch_size=args.local_batch_size, iota=args.iota,
-                         gba_num_aggregate=args.num_aggregate, bsp_aggregate=args.bsp_aggregate,
-                         hop_bs_bound=args.hop_bs_bound, hop_bw_backup=args.hop_bw_backup,
-                         delay_after_push=args.delay_after_push, work_ms=args.work_ms)
-    except ValueError as e:
-      p.error(str(e))
+    config = configs[n]
     sync_qps = None
     for mode in modes:
       t0 = time.perf_counter()

@@ -68,6 +68,7 @@ status 1 if a run failed (the tables then mark that mode; the error and log are 
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -152,9 +153,17 @@ def _source_kind(data: str) -> str:
 
 def _count_rows(data: str, options: dict, split: str, day: int) -> int:
   """Examples of one split of one day, counted by reading them as the runs will."""
+  return _count_rows_of(data, tuple(sorted(options.items())), split, day)
+
+
+@functools.lru_cache(maxsize=None)
+def _count_rows_of(data: str, options: Tuple[Tuple[str, object], ...], split: str,
+                   day: int) -> int:
+  # Once per process: building the reader's pipeline costs seconds (its tracing), and a process
+  # that checks several command lines (--dry_run) asks for the same counts again.
   from tf_gba import data as data_lib  # pylint: disable=g-import-not-at-top
   ds = data_lib.make_dataset(data, split=split, day=day, batch_size=1 << 16, shuffle_seed=None,
-                             **options)
+                             **dict(options))
   return int(sum(int(y.shape[0]) for _, y in ds))
 
 
@@ -838,6 +847,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                  help="keep the runs already finished under --out with the same configuration "
                       "(e.g. after an interruption or a failed run) and run only the others")
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_switching"))
+  p.add_argument("--dry_run", action="store_true",
+                 help="check the flags, the data and every mode's run configuration, print one "
+                      "line and exit without training")
   args = p.parse_args(argv)
   args.modes_list = [m.strip() for m in args.modes.split(",") if m.strip()]
   try:
@@ -878,6 +890,22 @@ def write(results: dict, out: str) -> List[str]:
   return paths
 
 
+def _dry_run(args: argparse.Namespace, protocol: Protocol) -> dict:
+  """--dry_run: each mode's first switched run configured and validated as the binary would."""
+  from tf_gba.training.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  for mode in args.modes_list:
+    config = run_config(args, protocol, mode, 0, protocol.train_days[0], protocol.eval_days[0],
+                        os.path.join(args.out, "dry_run"))
+    try:
+      TrainConfig(**config).validate()
+    except ValueError as e:
+      sys.exit(f"benchmarks.switching: {mode}: {e}")
+  print(f"benchmarks.switching: dry run: flags, data and the runs of {len(args.modes_list)} "
+        f"modes valid ({protocol.num_days} days, {protocol.steps_per_day} worker steps a day); "
+        "nothing trained.", flush=True)
+  return {}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
   args = parse_args(argv)
   started = time.time()
@@ -885,6 +913,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     protocol = make_protocol(args)
   except ValueError as e:  # a bad flag or data spec: the message says which
     sys.exit(f"benchmarks.switching: {e}")
+  if args.dry_run:
+    return _dry_run(args, protocol)
   modes, seeds = args.modes_list, list(range(args.seeds))
   day = (f"one pass over each day's {protocol.train_rows:,} train rows (sync: "
          f"{protocol.pass_steps} local batches; modes without the data list: "

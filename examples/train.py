@@ -157,6 +157,9 @@ def define_flags() -> None:
                      "may be left.")
   flags.DEFINE_integer("auto_confirm", 2, "--mode=auto: consecutive progress lines that must "
                        "agree before a switch.")
+  flags.DEFINE_bool("dry_run", False, "Check the flags, the configuration, the data and "
+                    "model_dir as a run does before it starts anything, print one line and exit "
+                    "(0 when all is valid); no server, cluster or network namespace is started.")
 
 
 def _task_type() -> str:
@@ -167,7 +170,9 @@ def _task_type() -> str:
 
 def main(argv=None):
   del argv
-  if _task_type() in ("ps", "worker"):  # tf.data servers: python -m tf_gba.distribute.server
+  # A ps or worker task serves (tf.data servers: python -m tf_gba.distribute.server); dry, it is
+  # checked as the chief is.
+  if _task_type() in ("ps", "worker") and not FLAGS.dry_run:
     from tf_gba.distribute import server  # pylint: disable=g-import-not-at-top
     return server.main([])
   import tf_gba  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
@@ -178,7 +183,19 @@ def main(argv=None):
   values = {f.name: FLAGS[f.name].value for f in dataclasses.fields(TrainConfig)
             if f.name in FLAGS and f.name != "log_dir"}
   config = TrainConfig(**values, log_dir=_LOGS.get("dir"))
+  if FLAGS.dry_run:
+    return _dry_run(config)
   return run(config)
+
+
+def _dry_run(config) -> int:
+  """--dry_run: the checks `run` makes before any server starts, then one line on stdout."""
+  from tf_gba.training import preflight  # pylint: disable=g-import-not-at-top
+  report = preflight.check(config)  # raises InputError, as in a run
+  rows = (f", {report['rows_checked']:,} data rows checked" if report["rows_checked"] else "")
+  print(f"train.py: dry run: --mode={config.mode} --data={config.data} "
+        f"--model_dir={config.model_dir} valid{rows}; nothing started.", flush=True)
+  return 0
 
 
 # The run's log directory: {"dir": path} once _quiet_stderr has chosen it.
@@ -194,7 +211,7 @@ def _quiet_stderr() -> None:
   there too), while `sys.stderr` keeps a copy of the terminal for progress, errors and
   tracebacks.
   """
-  if FLAGS.keep_logs:
+  if _keep_logs():
     log_dir = os.path.join(FLAGS.model_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
   else:
@@ -208,11 +225,15 @@ def _quiet_stderr() -> None:
   sys.stderr = os.fdopen(terminal, "w", buffering=1)
 
 
+def _keep_logs() -> bool:
+  return FLAGS.keep_logs and not FLAGS.dry_run  # a dry run writes nothing into model_dir
+
+
 def _end_logs(keep: bool) -> None:
   log_dir = _LOGS.get("dir")
   if not log_dir:
     return
-  if keep or FLAGS.keep_logs:
+  if keep or _keep_logs():
     print(f"train.py: logs kept in {log_dir}", file=sys.stderr, flush=True)
   else:
     shutil.rmtree(log_dir, ignore_errors=True)
@@ -249,7 +270,7 @@ def _module_from_file(package: str, name: str):
 
 def _supervised() -> bool:
   """Whether this process should run the job as a child it restarts after a failure."""
-  return (not os.environ.get("TF_CONFIG") and FLAGS.max_restarts > 0 and
+  return (not os.environ.get("TF_CONFIG") and not FLAGS.dry_run and FLAGS.max_restarts > 0 and
           mode_registry.get(FLAGS.mode).kind == mode_registry.PARAMETER_SERVER and
           _SUPERVISOR_ENV not in os.environ)
 
@@ -299,8 +320,8 @@ def _watch_supervisor(pid: int) -> None:
 
 def _isolate() -> None:
   """A local run: the job's servers in a private network namespace, or a one-line warning."""
-  if os.environ.get("TF_CONFIG") or _SUPERVISOR_ENV in os.environ:
-    return  # a real cluster's task; or the supervisor has done it for the whole job
+  if os.environ.get("TF_CONFIG") or _SUPERVISOR_ENV in os.environ or FLAGS.dry_run:
+    return  # a real cluster's task; the supervisor has done it for the whole job; or no job
   why = "--noprivate_network"
   if FLAGS.private_network:
     why = _module_from_file("distribute", "private_network").enter()
