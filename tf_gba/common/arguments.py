@@ -4,7 +4,8 @@ an AttributeError, a NaN model or an op error.
 
 Example:
 
-  self.alpha = arguments.number("alpha", alpha, minimum=0.0, inclusive=False, owner="AdaptiveRevision")
+  alpha = arguments.number("alpha", alpha, minimum=0.0, inclusive=False,
+                           owner="AdaptiveRevision")
 """
 
 import math

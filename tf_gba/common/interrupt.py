@@ -39,9 +39,11 @@ _on_abort: List[Callable[[], None]] = []
 class Interrupted(Exception):
   """A run stopped by a signal after writing `checkpoint` (None: nothing to save yet)."""
 
-  def __init__(self, signum: int, checkpoint: Optional[str], global_step: Optional[int]):
+  def __init__(self, signum: int, checkpoint: Optional[str], global_step: Optional[int],
+               detail: Optional[str] = None):
     self.signum, self.checkpoint, self.global_step = int(signum), checkpoint, global_step
-    super().__init__(message(self.signum, checkpoint, global_step))
+    super().__init__(f"stopped by {name(self.signum)}: {detail}" if detail else
+                     message(self.signum, checkpoint, global_step))
 
   @property
   def exit_code(self) -> int:
@@ -81,6 +83,8 @@ def _handler(signum, frame):  # pylint: disable=unused-argument
   for callback in list(_on_request):
     try:
       callback()
+    except Interrupted:
+      raise  # a job that cannot stop at a progress point ends where the main thread is
     except Exception:  # pylint: disable=broad-except
       pass  # the loops still read requested()
 

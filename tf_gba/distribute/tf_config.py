@@ -68,8 +68,9 @@ def parse(text: str) -> TFConfig:
   try:
     value = json.loads(text)
   except ValueError as e:
-    raise TFConfigError(f"TF_CONFIG is not valid JSON ({e}); expected "
-                        "{\"cluster\": {...}, \"task\": {\"type\": ..., \"index\": ...}}.") from None
+    raise TFConfigError(
+        f"TF_CONFIG is not valid JSON ({e}); expected "
+        "{\"cluster\": {...}, \"task\": {\"type\": ..., \"index\": ...}}.") from None
   if not isinstance(value, dict):
     raise TFConfigError(f"TF_CONFIG must be a JSON object with \"cluster\" and \"task\", got "
                         f"{type(value).__name__}.")
