@@ -500,7 +500,9 @@ def summarize(config: TrainConfig, results: List[dict]) -> dict:
       checkpoint=chief["checkpoint"],
       **({"auto": chief["auto"]} if "auto" in chief else {}),
       **{k: chief[k] for k in ("target_global_step", "restarts", "restart_causes",
-                               "steps_redone", "batches_reread") if k in chief})
+                               "steps_redone", "batches_reread") if k in chief},
+      # (The summary's recovery line counts restarted processes: none restarts on its own here.)
+      **({"worker_restarts": 0} if "restarts" in chief else {}))
 
 
 def run_sync(config: TrainConfig, timeout_s: float = 24 * 3600.0, auto: dict = None) -> dict:
