@@ -29,6 +29,7 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 from tf_gba.common import exiting  # noqa: E402
+from tf_gba.common import interrupt  # noqa: E402
 # The modes, their help and the flags each reads (no TensorFlow: the supervisor stays free of it).
 from tf_gba.training import mode_registry  # noqa: E402
 
@@ -43,8 +44,10 @@ def define_flags() -> None:
   flags.DEFINE_enum("model", "deepfm", ["deepfm", "dcn", "youtube_dnn"], "Model.")
   flags.DEFINE_string("data", "synthetic",
                       "'synthetic', 'criteo:<file, glob or dir>' or 'movielens100k:<dir>'.")
-  flags.DEFINE_integer("num_ps", 1, "Parameter servers of the local cluster.")
-  flags.DEFINE_integer("num_workers", 4, "Workers of the local cluster.")
+  flags.DEFINE_integer("num_ps", 1, "Parameter servers of the local cluster (with TF_CONFIG: "
+                       "its cluster's).")
+  flags.DEFINE_integer("num_workers", 4, "Workers of the local cluster (with TF_CONFIG: its "
+                       "cluster's).")
   flags.DEFINE_integer("global_batch_size", None,
                        "Synchronous global batch kept by GBA (default: local x workers); "
                        "M = global / local.")
@@ -116,6 +119,9 @@ def define_flags() -> None:
                       "--job_name=tfdata_dispatcher --port=PORT).")
   flags.DEFINE_float("stall_timeout_s", 120.0, "--input=shared: a day whose steps make no "
                      "progress this long ends, reporting the batches not trained on.")
+  flags.DEFINE_float("cluster_wait_s", 600.0, "On a real cluster (TF_CONFIG): how long the chief "
+                     "waits for its parameter servers and workers to accept connections (it "
+                     "names those it waits for every few seconds) before giving up.")
   flags.DEFINE_string("data_options", "",
                       "Options of the data source as key=value,... e.g. num_examples=500000,"
                       "num_days=3,drift=0.2 (synthetic), vocab_size=100000 (criteo), num_days=7 "
@@ -163,9 +169,32 @@ def define_flags() -> None:
 
 
 def _task_type() -> str:
-  import json  # pylint: disable=g-import-not-at-top
-  tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
-  return tf_config.get("task", {}).get("type", "")
+  """This process's TF_CONFIG task type ("" without TF_CONFIG); _check_tf_config ran before."""
+  if not os.environ.get("TF_CONFIG"):
+    return ""
+  return _module_from_file("distribute", "tf_config").parse(os.environ["TF_CONFIG"]).task_type
+
+
+def _check_tf_config() -> None:
+  """A malformed or inconsistent TF_CONFIG is one line, exit 2, before anything starts; on the
+  chief, the cluster it describes sets --num_workers and --num_ps (and through them every
+  default that depends on them: the global batch, M, b2, b3, the data list's workers)."""
+  if not os.environ.get("TF_CONFIG"):
+    return
+  tf_config = _module_from_file("distribute", "tf_config")
+  try:
+    cfg = tf_config.parse(os.environ["TF_CONFIG"])
+  except tf_config.TFConfigError as e:
+    _fail(str(e))
+  if cfg.task_type != "chief":
+    return
+  for flag, job in (("num_workers", "worker"), ("num_ps", "ps")):
+    n = cfg.count(job)
+    if FLAGS[flag].present and FLAGS[flag].value != n:
+      _fail(f"--{flag}={FLAGS[flag].value} contradicts TF_CONFIG, whose cluster.{job} lists "
+            f"{n}: drop --{flag} (TF_CONFIG sets it).")
+    if n:
+      FLAGS[flag].value = n
 
 
 def main(argv=None):
@@ -285,13 +314,34 @@ def _supervise() -> int:
   """
   restarts = 0
   env = dict(os.environ, **{_SUPERVISOR_ENV: str(os.getpid())})
+  received = []
+  current = {}
+
+  def forward(signum, frame):  # pylint: disable=unused-argument
+    # Each signal to the job: the first stops it at its next progress point with a checkpoint,
+    # a second at once (tf_gba.common.interrupt).
+    received.append(signum)
+    child = current.get("child")
+    if child is not None and child.poll() is None:
+      child.send_signal(signum)
+
+  for signum in interrupt.SIGNALS:
+    signal.signal(signum, forward)
   while True:
-    child = subprocess.Popen([sys.executable] + sys.argv, env=env)
-    try:
-      rc = child.wait()
-    except KeyboardInterrupt:
-      child.send_signal(signal.SIGINT)
-      return child.wait()
+    if received:  # between two jobs (a restart)
+      print(f"train.py: stopped by {interrupt.name(received[0])} before restarting the job; rerun "
+            "the same command to resume from the last checkpoint.", file=sys.stderr, flush=True)
+      return interrupt.exit_code(received[0])
+    # A process group of its own: Ctrl-C reaches this process only, which forwards it once.
+    child = subprocess.Popen([sys.executable] + sys.argv, env=env, process_group=0)
+    current["child"] = child
+    rc = child.wait()
+    if received:
+      if rc < 0:  # ended by the signal before it could handle it (still starting)
+        print(f"train.py: {interrupt.message(received[0], None, None)}", file=sys.stderr,
+              flush=True)
+        return interrupt.exit_code(received[0])
+      return rc
     if rc not in (_EXIT_RESTART, -signal.SIGKILL, -signal.SIGSEGV, -signal.SIGABRT):
       return rc
     if rc < 0:
@@ -339,11 +389,22 @@ def _check_mode_flags() -> None:
     _fail(mode_registry.unused_flags_message(FLAGS.mode, unused) + ".")
 
 
+def _stopped(e) -> None:
+  """A run stopped by SIGINT or SIGTERM (tf_gba.common.interrupt): one line, exit 130 or 143."""
+  print(f"train.py: {e}", file=sys.stderr, flush=True)
+  _end_logs(keep=False)
+  exiting.exit_now(e.exit_code)
+
+
 def _entry(argv):
   _check_mode_flags()
+  _check_tf_config()
   _isolate()
   if _supervised():
     exiting.exit_now(_supervise())
+  # SIGINT and SIGTERM: the run stops at its next progress point with a checkpoint; a second
+  # signal ends it at once (the servers of the local cluster follow: they watch this process).
+  interrupt.install(on_abort=lambda: _end_logs(keep=False))
   if _SUPERVISOR_ENV in os.environ:
     threading.Thread(target=_watch_supervisor, args=(int(os.environ[_SUPERVISOR_ENV]),),
                      daemon=True).start()
@@ -351,6 +412,7 @@ def _entry(argv):
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
   if not FLAGS["verbosity"].present:
     _quiet_stderr()  # before TensorFlow is imported: its start-up notices come at import
+  from tf_gba.distribute import tf_config  # pylint: disable=g-import-not-at-top
   from tf_gba.training import preflight  # pylint: disable=g-import-not-at-top
   from tf_gba.training import recovery  # pylint: disable=g-import-not-at-top
   try:
@@ -359,6 +421,14 @@ def _entry(argv):
     if _debug():
       raise
     _fail(str(e))
+  except interrupt.Interrupted as e:
+    _stopped(e)
+  except (recovery.AfterTrainingError, tf_config.ServersUnreachable) as e:
+    if _debug():
+      raise
+    print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+    _end_logs(keep=False)
+    exiting.exit_now(1)
   except recovery.JobLost as e:
     if _debug():
       raise
@@ -395,6 +465,16 @@ def _named_verbosity(argv):
   return out
 
 
+def _parse_flags(argv):
+  """absl's parsing, with a flag error as every other bad input: one line, exit code 2."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    print(f"train.py: error: {e} (python examples/train.py --help lists the flags)",
+          file=sys.stderr, flush=True)
+    exiting.exit_now(2)
+
+
 if __name__ == "__main__":
   define_flags()
-  app.run(_entry, argv=_named_verbosity(sys.argv))
+  app.run(_entry, argv=_named_verbosity(sys.argv), flags_parser=_parse_flags)

@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -21,8 +22,9 @@ _SMALL = ["--num_workers=1", "--num_ps=1", "--steps=20", "--log_every=10",
           "--local_batch_size=64", "--eval_examples=512", "--stragglers=none"]
 
 
-def _train(*args, timeout=300, prefix=()):
-  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def _train(*args, timeout=300, prefix=(), env=None):
+  env = dict(os.environ, **(env or {}),
+             PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   return subprocess.run([*prefix, sys.executable, os.path.join(_ROOT, "examples", "train.py"),
                          *_SMALL, *args], capture_output=True, text=True, timeout=timeout,
                         env=env, cwd=_ROOT, check=False)
@@ -77,11 +79,113 @@ def _criteo_rows(n):
     (["--mode=auto", "--auto_dwell_s=-1"], "--auto_dwell_s must be >= 0"),
     (["--mode=auto", "--global_batch_size=128"],
      "--mode=auto does not use --global_batch_size (used by sync, gba); drop it"),
+    # inf passes "> 0" and would train NaNs, exit 0.
+    (["--learning_rate=inf"], "train.py: error: --learning_rate must be a finite number, got "
+                              "inf."),
+    (["--learning_rate=nan"], "--learning_rate must be a finite number, got nan."),
+    (["--stragglers=persistent:3@9"],
+     "train.py: error: --stragglers=persistent:3@9 names worker 9, which does not exist: the "
+     "workers are 0 to 0 (--num_workers=1)."),
+    # Checked against the data before the servers start (a traceback after training before).
+    (["--day=99"], "train.py: error: --day=99: --data=synthetic holds 1 day(s), 0 to 0 (more "
+                   "with --data_options=num_days=N)."),
+    (["--eval_day=5"], "train.py: error: --eval_day=5: --data=synthetic holds 1 day(s), 0 to 0"),
+    # absl's own parsing errors: exit 2 like every other bad input (1 before).
+    (["--no_such_flag=1"], "train.py: error: Unknown command line flag 'no_such_flag' (python "
+                           "examples/train.py --help lists the flags)"),
+    (["--steps=many"], "train.py: error: flag --steps=many: invalid literal for int()"),
 ])
 def test_flags_out_of_range(tmp_path, flags, expected):
   line = _error_line(_train(*flags, f"--model_dir={tmp_path / 'm'}"))
   assert expected in line
   assert not (tmp_path / "m").exists()  # refused before anything was written
+
+
+_TF_CLUSTER = {"chief": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"],
+               "worker": ["127.0.0.1:3", "127.0.0.1:4"]}
+
+
+@pytest.mark.parametrize("tf_config,flags,expected", [
+    ("{not json", [], "train.py: error: TF_CONFIG is not valid JSON (Expecting property name "
+                      "enclosed in double quotes: line 1 column 2 (char 1))"),
+    (json.dumps({"cluster": _TF_CLUSTER, "task": {"type": "worker", "index": 5}}), [],
+     "train.py: error: TF_CONFIG task.index is 5, but cluster.worker lists 2 task(s) (indices 0 "
+     "to 1)."),
+    (json.dumps({"cluster": _TF_CLUSTER}), [],
+     "train.py: error: TF_CONFIG \"task\" is missing"),
+    (json.dumps({"cluster": _TF_CLUSTER, "task": {"type": "chief", "index": 0}}),
+     ["--num_workers=4"], "train.py: error: --num_workers=4 contradicts TF_CONFIG, whose "
+                          "cluster.worker lists 2: drop --num_workers (TF_CONFIG sets it)."),
+])
+def test_bad_tf_config(tmp_path, tf_config, flags, expected):
+  # (_SMALL's --num_workers=1 is not passed here: under TF_CONFIG the cluster sets it.)
+  proc = subprocess.run(
+      [sys.executable, os.path.join(_ROOT, "examples", "train.py"), "--steps=20",
+       f"--model_dir={tmp_path / 'm'}", *flags], capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, TF_CONFIG=tf_config,
+               PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
+      cwd=_ROOT, check=False)
+  assert _error_line(proc).startswith(expected)
+  assert not (tmp_path / "m").exists()
+
+
+def test_chief_says_whom_it_waits_for_and_gives_up(tmp_path):
+  """A chief started before its servers: a line naming them every few seconds, then one error
+  line after --cluster_wait_s, exit 1 (it waited in silence before)."""
+  ports = []
+  for _ in range(3):
+    with socket.socket() as s:  # a port nobody listens on (closed again at once)
+      s.bind(("127.0.0.1", 0))
+      ports.append(s.getsockname()[1])
+  cluster = {"chief": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"],
+             "worker": [f"127.0.0.1:{ports[2]}"]}
+  proc = subprocess.run(
+      [sys.executable, os.path.join(_ROOT, "examples", "train.py"), "--steps=20",
+       "--input=sharded", "--cluster_wait_s=6", f"--model_dir={tmp_path / 'm'}"],
+      capture_output=True, text=True, timeout=300, cwd=_ROOT, check=False,
+      env=dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster,
+                                                 "task": {"type": "chief", "index": 0}}),
+               PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  waiting = f"ps:0 at 127.0.0.1:{ports[1]}, worker:0 at 127.0.0.1:{ports[2]}"
+  assert f"tf_gba: waiting for {waiting} (5 s of --cluster_wait_s=6)" in proc.stdout
+  assert proc.stderr.strip().splitlines() == [
+      f"train.py: error: gave up after 6 s (--cluster_wait_s) waiting for {waiting}: start those "
+      "tasks (or fix their addresses in TF_CONFIG), then rerun."]
+
+
+def test_steps_are_trained_exactly_or_the_rounding_is_said(tmp_path):
+  short = _train("--steps=5", "--log_every=10", f"--model_dir={tmp_path / 'a'}")
+  assert short.returncode == 0, short.stderr[-3000:]
+  summary = _summary(str(tmp_path / "a"))
+  # One worker, M = 1: 5 worker steps are 5 global steps (20 worker steps, "step 18/1", before).
+  assert (summary["steps"], summary["global_step"]) == (5, 5)
+  assert "--steps=5 trains" not in short.stdout
+  rounded = _train("--steps=30", "--log_every=20", f"--model_dir={tmp_path / 'b'}")
+  assert rounded.returncode == 0, rounded.stderr[-3000:]
+  assert ("tf_gba: --steps=30 trains 40 worker steps: the parameter-server modes train whole "
+          "intervals of 20 worker steps (--log_every=20); pass a multiple of 20 to train exactly "
+          "that.") in rounded.stdout.splitlines()
+  assert _summary(str(tmp_path / "b"))["steps"] == 40
+
+
+def test_a_failure_after_training_keeps_the_trained_model(tmp_path):
+  """The final evaluation fails (its snapshot directory cannot be made: a file is in the way, as
+  a full disk fails it): the final checkpoint is already written; one line, exit 1."""
+  model_dir = tmp_path / "m"
+  model_dir.mkdir()
+  (model_dir / "eval_snapshot").write_text("in the way")
+  proc = _train(f"--model_dir={model_dir}")
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1, proc.stderr
+  assert lines[0].startswith(f"train.py: error: training finished and its checkpoint "
+                             f"{model_dir / 'ckpt-20'} was written, but the final evaluation "
+                             "failed: "), lines
+  assert glob.glob(str(model_dir / "ckpt-20.index"))
+  progress = json.loads((model_dir / "tf_gba_progress.json").read_text())
+  assert progress["finished"] and progress["global_step"] == 20
 
 
 def test_empty_file(tmp_path):
@@ -163,7 +267,12 @@ def test_malformed_rows_counted_other_model_and_truncated_checkpoint(tmp_path):
   assert first.returncode == 0, first.stderr[-3000:]
   assert _summary(model_dir)["malformed_rows"] == expected_bad
   assert _summary(model_dir)["data_rows_checked"] == 600
-  assert f"malformed rows        {expected_bad} of 600 rows checked, skipped" in first.stdout
+  # Said before training, naming the first malformed row's file and line (third line: 1-based).
+  out = first.stdout.splitlines()
+  warning = (f"tf_gba: warning: {expected_bad} of the 600 rows checked are malformed and "
+             f"skipped; first: Malformed Criteo row at {tmp_path / 'd.tsv'}:3: has ")
+  at = next(i for i, l in enumerate(out) if l.startswith(warning))
+  assert at < next(i for i, l in enumerate(out) if l.startswith("summary ("))
 
   line = _error_line(_train(*common, "--model=dcn"))
   assert "this directory holds a deepfm checkpoint" in line and "--model=dcn" in line

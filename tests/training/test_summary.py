@@ -41,7 +41,8 @@ def test_every_job_fills_the_schema_in_its_order_and_adds_only_declared_keys():
 def test_ps_summary_values():
   s = _ps_summary("gba")
   assert (s["mode"], s["num_ps"], s["num_workers"], s["num_aggregate"]) == ("gba", 1, 2, 4)
-  assert s["steps"] == 100 and s["examples"] == 100 * 256  # 1 epoch of log_every=100 steps
+  # 1 epoch: --steps=20 is shorter than --log_every=100, so the interval is --steps itself.
+  assert s["steps"] == 20 and s["examples"] == 20 * 256
   assert s["global_qps"] == 16 * 256 / 2.0 and s["per_worker"][0]["qps"] == 8 * 256 / 2.0
   assert (s["pushes"], s["dropped_batches"], s["dropped_gradients"],
           s["dropped_embedding_rows"], s["nonfinite_gradients"]) == (20, 1, 3, 2, 5)

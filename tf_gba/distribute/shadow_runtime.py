@@ -93,6 +93,11 @@ class StepBudget:
   def taken(self) -> int:
     return self._taken
 
+  def stop(self) -> None:
+    """No step is claimed any more: the steps claimed finish, and the drivers end."""
+    with self._lock:
+      self.total = self._taken
+
 
 class SyncLog:
   """Every sync of every worker, as that worker's completed training steps at the time.

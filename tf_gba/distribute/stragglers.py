@@ -121,6 +121,18 @@ def parse(spec: str) -> str:
   return "+".join(parts)
 
 
+def named_workers(spec: str) -> List[int]:
+  """The worker indices a profile names (persistent:<f>@w,..., a trace's workers)."""
+  out = set()
+  for part in parse(spec).split("+"):
+    fields = part.split(";")
+    if fields[0] == "persistent":
+      out.update(int(e.partition("=")[0]) for e in fields[1].split(",") if e)
+    elif fields[0] == "trace":
+      out.update(int(e.partition("=")[0]) for e in fields[2].split(",") if e)
+  return sorted(out)
+
+
 def _ops():
   return loader.load_op_library("gba")
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Optional
 
 import tensorflow as tf
 
+from tf_gba.common import arguments
 from tf_gba.distribute import modes as modes_lib
 from tf_gba.distribute import step_context
 from tf_gba.distribute import stragglers as stragglers_lib
@@ -78,12 +79,29 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
                hop_bs_timeout_s: Optional[float] = None,
                hop_bw_backup: Optional[int] = None,
                straggler_delay: str = stragglers_lib.AFTER_PUSH):
+    if not callable(getattr(cluster_resolver, "cluster_spec", None)):
+      raise TypeError(f"GBAStrategy needs a cluster resolver (e.g. LocalCluster(...).resolver() "
+                      f"or tf.distribute.cluster_resolver.TFConfigClusterResolver()), got "
+                      f"{type(cluster_resolver).__name__} {cluster_resolver!r}.")
     if mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-    if num_aggregate is not None and num_aggregate < 1:
-      raise ValueError(f"num_aggregate must be >= 1, got {num_aggregate}.")
+    if num_aggregate is not None:
+      num_aggregate = arguments.integer("num_aggregate", num_aggregate, minimum=1,
+                                        owner="GBAStrategy")
+    straggler_seed = arguments.integer("straggler_seed", straggler_seed, owner="GBAStrategy")
+    hop_bs_bound = arguments.integer("hop_bs_bound", hop_bs_bound, minimum=0, owner="GBAStrategy")
+    if hop_bs_timeout_s is not None:
+      arguments.number("hop_bs_timeout_s", hop_bs_timeout_s, minimum=0.0, inclusive=False,
+                       owner="GBAStrategy")
     spec = cluster_resolver.cluster_spec()
     num_workers = len(spec.job_tasks("worker"))
+    if not num_workers or not spec.job_tasks("ps"):
+      raise ValueError(f"GBAStrategy needs at least one 'ps' and one 'worker' task; the cluster "
+                       f"has {spec.as_dict()}.")
+    missing = [w for w in stragglers_lib.named_workers(stragglers) if not 0 <= w < num_workers]
+    if missing:
+      raise ValueError(f"GBAStrategy: stragglers={stragglers!r} names worker(s) {missing}, which "
+                       f"the cluster does not have (workers 0 to {num_workers - 1}).")
     if hop_bw_backup is None:
       hop_bw_backup = modes_lib.default_hop_bw_backup(num_workers)
     modes_lib.check_parameters(mode, num_workers, bsp_aggregate, hop_bs_bound, hop_bs_timeout_s,

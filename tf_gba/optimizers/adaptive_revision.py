@@ -45,6 +45,7 @@ Example:
 
 import contextlib
 import itertools
+import numbers
 import threading
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -52,6 +53,7 @@ from absl import logging
 import tensorflow as tf
 import tf_keras as keras
 
+from tf_gba.common import arguments
 from tf_gba.distribute import step_context
 from tf_gba.ops import adaptive_revision_ops
 
@@ -155,11 +157,16 @@ class AdaptiveRevision(keras.optimizers.Optimizer):
     if "learning_rate" in kwargs:
       raise TypeError("AdaptiveRevision calls its learning-rate scale `alpha`; pass alpha=... "
                       "instead of learning_rate=...")
+    if alpha is None or isinstance(alpha, (numbers.Number, str)):  # (schedules, variables: as
+      # Keras takes them)
+      arguments.number("alpha (the learning-rate scale)", alpha, minimum=0.0, inclusive=False,
+                       owner="AdaptiveRevision")
+    g0 = arguments.number("g0 (the initial accumulator G0)", g0, minimum=0.0, inclusive=False,
+                          owner="AdaptiveRevision")
+    if not isinstance(use_max, (bool, int)):
+      raise TypeError(f"AdaptiveRevision: use_max must be a bool, got {use_max!r}.")
     _check_strategy("created")
     super().__init__(name=name, jit_compile=False, **kwargs)
-    g0 = float(g0)
-    if not g0 > 0.0:
-      raise ValueError(f"g0 (the initial accumulator G0) must be > 0, got {g0}.")
     self._learning_rate = self._build_learning_rate(alpha)
     self.g0 = g0
     self.use_max = bool(use_max)

@@ -95,6 +95,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
+from tf_gba.common import arguments
 from tf_gba.optimizers import wrapping
 
 
@@ -188,10 +189,8 @@ class DTS(wrapping.InnerOptimizerDelegation, keras.optimizers.Optimizer):
       raise ValueError(
           f"DTS's inner optimizer must be a tf_keras.optimizers.SGD (momentum allowed), got "
           f"{inner!r}: its compensation is defined for (momentum) SGD only.")
-    if int(delay) != delay or delay < 1:
-      raise ValueError(f"delay must be an integer >= 1 (1 = synchronous), got {delay!r}")
-    if int(period) != period or period < 1:
-      raise ValueError(f"period must be an integer >= 1 (1 = every step), got {period!r}")
+    delay = arguments.integer("delay (1 = synchronous)", delay, minimum=1, owner="DTS")
+    period = arguments.integer("period (1 = every step)", period, minimum=1, owner="DTS")
     # The public config names a schedule (a dict) where the learning rate is not a number.
     if isinstance(inner.get_config()["learning_rate"], dict):
       raise ValueError("DTS needs a constant learning rate (its corrections assume it): pass "

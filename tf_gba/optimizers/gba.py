@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 import tensorflow as tf
 import tf_keras as keras
 
+from tf_gba.common import arguments
 from tf_gba.distribute import step_context
 from tf_gba.ops import gba_ops
 from tf_gba.optimizers import wrapping
@@ -160,6 +161,9 @@ class GBA(wrapping.InnerOptimizerDelegation, keras.optimizers.Optimizer):
     if inner.use_ema:
       raise ValueError("use_ema is not supported inside GBA: the moving average would be taken "
                        "per variable at different moments. Keep an EMA outside the optimizer.")
+    staleness_threshold = arguments.integer("staleness_threshold", staleness_threshold,
+                                            minimum=0, owner="GBA")
+    decay_alpha = arguments.number("decay_alpha", decay_alpha, owner="GBA")
     kwargs.pop("jit_compile", None)
     kwargs.pop("is_legacy_optimizer", None)
     super().__init__(name=name, jit_compile=False, **kwargs)

@@ -1,6 +1,7 @@
 """What one training run is asked to do, validated before anything starts."""
 
 import dataclasses
+import math
 from typing import Optional
 
 from tf_gba.distribute import modes as modes_lib
@@ -96,6 +97,9 @@ class TrainConfig:
   tfdata_dispatcher: str = ""
   # A day whose steps make no progress this long ends, reporting the batches not trained on.
   stall_timeout_s: float = 120.0
+  # On a real cluster (TF_CONFIG): how long the chief waits for its parameter servers and workers
+  # to accept connections before it gives up (saying which it waited for).
+  cluster_wait_s: float = 600.0
   # --mode=auto (tf_gba.training.auto_policy.PolicyConfig): to GBA at a predicted gain
   # >= 1 + margin, back to Sync below 1 + margin - hysteresis, after dwell_s seconds in a mode and
   # confirm consecutive observations.
@@ -153,6 +157,11 @@ class TrainConfig:
 
   def validate(self) -> None:
     mode = mode_registry.get(self.mode)  # raises on an unknown mode
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      # inf and nan pass every range check (`inf > 0`) and train a model of NaNs.
+      if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"--{field.name} must be a finite number, got {value}.")
     if mode.validate is not None:
       mode.validate(self)
     if self.model not in MODEL_NAMES:
@@ -167,6 +176,8 @@ class TrainConfig:
                        f"{self.tfdata_workers}.")
     if not self.stall_timeout_s > 0:
       raise ValueError(f"--stall_timeout_s must be > 0, got {self.stall_timeout_s}.")
+    if not self.cluster_wait_s > 0:
+      raise ValueError(f"--cluster_wait_s must be > 0, got {self.cluster_wait_s}.")
     for name in ("num_ps", "num_workers", "local_batch_size", "steps", "log_every",
                  "embedding_dim"):
       if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -211,6 +222,12 @@ class TrainConfig:
     modes_lib.check_parameters(self.mode, self.num_workers, self.bsp_aggregate, self.hop_bs_bound,
                                self.hop_bs_timeout_s, self.hop_bw_backup, prefix="--")
     stragglers_lib.parse(self.stragglers)  # raises with a message on a bad profile
+    missing = sorted(w for w in stragglers_lib.named_workers(self.stragglers)
+                     if w < 0 or w >= self.num_workers)
+    if missing:
+      raise ValueError(f"--stragglers={self.stragglers} names worker "
+                       f"{', '.join(map(str, missing))}, which does not exist: the workers are "
+                       f"0 to {self.num_workers - 1} (--num_workers={self.num_workers}).")
     stragglers_lib.check_placement(self.straggler_delay)
     if (self.straggler_delay == stragglers_lib.BEFORE_PUSH and self.mode == "async"
         and not self.async_staleness_stats):
@@ -218,6 +235,47 @@ class TrainConfig:
                        "buffer's push, which --noasync_staleness_stats (the bare optimizer) does "
                        "not have: drop one of the two.")
     self.data_kwargs()
+
+  def interval_steps(self) -> int:
+    """Worker steps of one `fit` epoch of the parameter-server modes: each progress line and each
+    periodic checkpoint ends one (tf_gba.training.runner.epoch_steps). A run shorter than one
+    interval is a single interval of its own length."""
+    steps = math.gcd(self.log_every, self.checkpoint_every_steps or self.log_every)
+    if self.steps is not None and 0 < self.steps < steps:
+      return self.steps
+    return steps
+
+  def steps_trained(self) -> Optional[int]:
+    """The worker steps a run of `--steps` trains (None: --steps unset, or --mode=auto, whose
+    stays each train their own share)."""
+    if self.steps is None or self.mode == AUTO:
+      return None
+    kind = mode_registry.get(self.mode).kind
+    if kind == mode_registry.COLLECTIVE:
+      # One global step is one local batch on every worker.
+      return max(1, self.steps // self.num_workers) * self.num_workers
+    if self.mode.startswith("shadow_") or self.mode == "asgd_nodelay":
+      return self.steps  # one budget of worker steps
+    interval = self.interval_steps()
+    return math.ceil(self.steps / interval) * interval
+
+  def steps_note(self) -> Optional[str]:
+    """One line when --steps cannot be trained exactly: what is trained instead, and why."""
+    trained = self.steps_trained()
+    if trained is None or trained == self.steps:
+      return None
+    if mode_registry.get(self.mode).kind == mode_registry.COLLECTIVE:
+      why = (f"--mode={self.mode} trains whole global steps of one batch on each of the "
+             f"{self.num_workers} workers; pass a multiple of {self.num_workers} to train "
+             "exactly that")
+    else:
+      interval = self.interval_steps()
+      why = (f"the parameter-server modes train whole intervals of {interval} worker steps "
+             f"(--log_every={self.log_every}"
+             + (f", --checkpoint_every_steps={self.checkpoint_every_steps}"
+                if self.checkpoint_every_steps else "")
+             + f"); pass a multiple of {interval} to train exactly that")
+    return f"--steps={self.steps} trains {trained} worker steps: {why}."
 
   @property
   def strategy_mode(self) -> str:

@@ -21,6 +21,7 @@ import tf_keras as keras
 
 from tf_gba import data as data_lib
 from tf_gba import models as models_lib
+from tf_gba.common import interrupt
 from tf_gba.common import metrics
 from tf_gba.distribute import collective_cluster
 from tf_gba.distribute.dts_training import DTSTrainer
@@ -212,10 +213,24 @@ def run(config: TrainConfig) -> dict:
         f"latency={config.dts_latency_ms} ms inner={config.dts_inner} lr={config.learning_rate}",
         flush=True)
   t0 = time.time()
-  results = collective_cluster.run_collective_cluster(
-      "tf_gba.training.dts_job:run_worker", num_workers=config.num_workers,
-      kwargs={"config": dataclasses.asdict(config)}, timeout_s=3600.0,
-      log_dir=os.path.join(config.model_dir, "worker_logs"))
+
+  def stop():
+    # DTS's exchanges run in threads of their own, between the steps: no progress point where
+    # the workers could agree to stop. The workers are ended (run_collective_cluster's cleanup).
+    raise interrupt.Interrupted(
+        interrupt.requested(), None, None,
+        detail="--mode=dts writes its checkpoints only at the end of a run, so this run's steps "
+               f"are lost; rerun the same command to train again from the checkpoints in "
+               f"{os.path.join(config.model_dir, 'dts')} (if any).")
+
+  interrupt.on_request(stop)
+  try:
+    results = collective_cluster.run_collective_cluster(
+        "tf_gba.training.dts_job:run_worker", num_workers=config.num_workers,
+        kwargs={"config": dataclasses.asdict(config)}, timeout_s=3600.0,
+        log_dir=os.path.join(config.model_dir, "worker_logs"))
+  finally:
+    interrupt.remove_on_request(stop)
   wall = time.time() - t0
   first = results[0]
   steps_run = int(first.get("steps_run", first.get("steps", 0))) * config.num_workers

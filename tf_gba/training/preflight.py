@@ -57,9 +57,91 @@ def check(config: TrainConfig) -> dict:
     raise
   except ValueError as e:
     raise InputError(str(e)) from None
+  check_cluster(config)
   report = check_data(config)
   check_model_dir(config)
+  for line in notices(config, report):
+    print(line, flush=True)
   return report
+
+
+def notices(config: TrainConfig, report: dict) -> List[str]:
+  """Lines the user should see before training: what --steps trains when it is rounded, the
+  malformed rows the run skips (the first named by file and line), a corrupt record in
+  model_dir that the run does without."""
+  out = []
+  note = config.steps_note()
+  if note:
+    out.append(f"tf_gba: {note}")
+  if report.get("malformed_rows"):
+    scope = "" if report["fully_checked"] else " (of the first rows)"
+    out.append(f"tf_gba: warning: {report['malformed_rows']} of the {report['rows_checked']:,} "
+               f"rows checked{scope} are malformed and skipped; first: "
+               f"{report['first_malformed_row']}")
+  out += _corrupt_records(config.model_dir)
+  return out
+
+
+def _corrupt_records(model_dir: str) -> List[str]:
+  from tf_gba.training import recovery  # pylint: disable=g-import-not-at-top
+  out = []
+  for name, consequence in (
+      (METADATA_FILE, "the checkpoint restore checks the model itself, and the file is written "
+                      "again"),
+      (recovery.PROGRESS_FILE, "whether the last run finished is unknown: this run starts from "
+                               "the newest checkpoint and trains --steps more (not toward the "
+                               "last run's target)")):
+    path = os.path.join(model_dir, name)
+    if not os.path.exists(path):
+      continue
+    try:
+      with open(path) as f:
+        if isinstance(json.load(f), dict):
+          continue
+      problem = "not a JSON object"
+    except (OSError, ValueError) as e:
+      problem = _first_line(e)
+    out.append(f"tf_gba: warning: {path} is unreadable ({problem[:120]}); {consequence}.")
+  return out
+
+
+# ---- cluster -------------------------------------------------------------------------------------
+def tf_config():
+  """TF_CONFIG parsed and checked (tf_gba.distribute.tf_config.TFConfig), or None when unset."""
+  from tf_gba.distribute import tf_config as tf_config_lib  # pylint: disable=g-import-not-at-top
+  text = os.environ.get("TF_CONFIG")
+  if not text:
+    return None
+  try:
+    return tf_config_lib.parse(text)
+  except tf_config_lib.TFConfigError as e:
+    raise InputError(str(e)) from None
+
+
+def check_cluster(config: TrainConfig) -> None:
+  """On a real cluster (TF_CONFIG): the chief's cluster fits the mode and the flags."""
+  cfg = tf_config()
+  if cfg is None or cfg.task_type != "chief":
+    return
+  from tf_gba.distribute import tf_config as tf_config_lib  # pylint: disable=g-import-not-at-top
+  from tf_gba.training import mode_registry  # pylint: disable=g-import-not-at-top
+  if mode_registry.get(config.mode).kind != mode_registry.PARAMETER_SERVER:
+    raise InputError(f"--mode={config.mode} starts its own worker processes on this machine and "
+                     "cannot run under TF_CONFIG: unset TF_CONFIG to train locally, or pick a "
+                     "parameter-server mode.")
+  try:
+    tf_config_lib.check_for_parameter_servers(cfg)
+  except tf_config_lib.TFConfigError as e:
+    raise InputError(str(e)) from None
+  for flag, job in (("num_workers", "worker"), ("num_ps", "ps")):
+    if getattr(config, flag) != cfg.count(job):
+      raise InputError(f"--{flag}={getattr(config, flag)} contradicts TF_CONFIG, whose "
+                       f"cluster.{job} lists {cfg.count(job)}: drop --{flag} (TF_CONFIG sets "
+                       "it).")
+  if config.uses_data_list and not config.tfdata_dispatcher:
+    raise InputError("--input=shared on a real cluster needs --tfdata_dispatcher=HOST:PORT, a "
+                     "dispatcher started with `python -m tf_gba.distribute.server "
+                     "--job_name=tfdata_dispatcher` (see the README), or --input=sharded.")
 
 
 # ---- data ----------------------------------------------------------------------------------------
@@ -67,12 +149,19 @@ def check_data(config: TrainConfig) -> dict:
   """Paths exist and are readable, the source holds rows, most of them well-formed."""
   kwargs = config.data_kwargs()
   try:
-    data_lib.data_info(config.data, **kwargs)
+    info = data_lib.data_info(config.data, **kwargs)
   except (ValueError, tf.errors.OpError) as e:
     message = _first_line(e)
     # The data module's messages mostly name the spec already.
     raise InputError(message if config.data in message else
                      f"--data={config.data}: {message}") from None
+  for flag in ("day", "eval_day"):
+    day = getattr(config, flag)
+    if day is not None and day >= info.num_days:
+      more = (" (more with --data_options=num_days=N)"
+              if config.data.strip().lower() == "synthetic" else "")
+      raise InputError(f"--{flag}={day}: --data={config.data} holds {info.num_days} day(s), "
+                       f"0 to {info.num_days - 1}{more}.")
   kind = config.data.partition(":")[0].strip().lower()
   if kind == "criteo":
     report = _check_criteo(config, kwargs)
@@ -90,7 +179,7 @@ def check_data(config: TrainConfig) -> dict:
   if config.strict_data and bad:
     raise InputError(f"--strict_data: {report['first_problem']}; fix or remove the row, or drop "
                      "--strict_data to skip malformed rows.")
-  report.pop("first_problem")
+  report["first_malformed_row"] = report.pop("first_problem")
   return report
 
 
@@ -259,6 +348,11 @@ def restore_latest_usable(model_dir: str, restore: Callable[[str], object],
                      "readable (truncated or incomplete); restore them from a copy, or move them "
                      "away to start afresh.")
   return None, skipped
+
+
+def first_line(error: Exception) -> str:
+  """The first line of an error's message, without TF's op and device decorations."""
+  return _first_line(error)
 
 
 def _first_line(error: Exception) -> str:

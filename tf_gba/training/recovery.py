@@ -33,6 +33,11 @@ class JobLost(RuntimeError):
   resumes from the last checkpoint (the binary exits with EXIT_RESTART)."""
 
 
+class AfterTrainingError(RuntimeError):
+  """Something after the run's last checkpoint failed (the final evaluation, its snapshot): the
+  trained model is safe; the binary prints the message in one line and exits 1."""
+
+
 class ParameterServerLost(JobLost):
   """A parameter server died: its variables are gone; the run resumes from the last checkpoint."""
 

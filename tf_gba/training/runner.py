@@ -24,8 +24,10 @@ from tf_gba import models as models_lib
 from tf_gba.distribute import GBAStrategy
 from tf_gba.distribute import LocalCluster
 from tf_gba.distribute import stragglers as stragglers_lib
+from tf_gba.distribute import tf_config as tf_config_lib
 from tf_gba.ops import worker_clock
 from tf_gba.optimizers import GBA
+from tf_gba.common import interrupt
 from tf_gba.common import metrics
 from tf_gba.training import config as config_lib
 from tf_gba.training import mode_registry
@@ -65,10 +67,8 @@ def make_strategy(config: TrainConfig, resolver) -> GBAStrategy:
 def _cluster(config: TrainConfig):
   """The local multi-process cluster, or the one TF_CONFIG describes (this task: the chief)."""
   if os.environ.get("TF_CONFIG"):
-    if config.uses_data_list and not config.tfdata_dispatcher:
-      raise ValueError("--input=shared on a real cluster needs --tfdata_dispatcher=HOST:PORT, a "
-                       "dispatcher started with `python -m tf_gba.distribute.server "
-                       "--job_name=tfdata_dispatcher` (see the README), or --input=sharded.")
+    # (Checked before: preflight.check_cluster.)
+    wait_for_cluster(config)
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     yield resolver, None
     return
@@ -77,6 +77,17 @@ def _cluster(config: TrainConfig):
                     num_tfdata_workers=config.tfdata_workers if config.uses_data_list else 0
                     ) as cluster:
     yield cluster.resolver(), cluster
+
+
+def wait_for_cluster(config: TrainConfig) -> None:
+  """On a real cluster: returns once TF_CONFIG's parameter servers and workers (and the tf.data
+  dispatcher, if any) accept connections, saying every few seconds which it waits for; TF itself
+  would wait in silence."""
+  cfg = preflight.tf_config()
+  tasks = cfg.addresses(("ps", "worker"))
+  if config.uses_data_list and config.tfdata_dispatcher:
+    tasks.append(("the tf.data dispatcher", config.tfdata_dispatcher))
+  tf_config_lib.wait_for_servers(tasks, config.cluster_wait_s, _log)
 
 
 class _Progress(keras.callbacks.Callback):
@@ -172,7 +183,7 @@ def epoch_steps(config: TrainConfig) -> int:
   steps still running (`pipelining`); a checkpoint written there waits for them first, and holds
   exactly the steps scheduled.
   """
-  return math.gcd(config.log_every, config.checkpoint_every_steps or config.log_every)
+  return config.interval_steps()
 
 
 class PeriodicCheckpoint(keras.callbacks.Callback):
@@ -199,6 +210,15 @@ class PeriodicCheckpoint(keras.callbacks.Callback):
     if self._schedule.due(steps):
       self.saved.append(self._job.save_checkpoint())
       self._schedule.written(steps)
+
+
+class StopOnSignal(keras.callbacks.Callback):
+  """Ends `fit` at the end of the interval running when SIGINT or SIGTERM arrived
+  (tf_gba.common.interrupt): the steps scheduled finish, and the run writes its checkpoint."""
+
+  def on_epoch_end(self, epoch, logs=None):
+    if interrupt.requested() is not None:
+      self.model.stop_training = True
 
 
 class _Job:
@@ -405,8 +425,6 @@ def run(config: TrainConfig) -> dict:
   # The data scan's counts, added to the summary the job wrote and printed.
   result.update(summary_lib.data_fields(data_report))
   summary_lib.write(config.model_dir, result)
-  if result["data_rows_checked"]:
-    _log(summary_lib.data_line(result))
   return result
 
 
@@ -498,6 +516,7 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     for extra in extra_callbacks:
       extra.job = job
       callbacks.append(extra)
+    callbacks.append(StopOnSignal())
     t0 = time.time()
     history = keras.callbacks.History()
     history.history = {}
@@ -515,6 +534,8 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     except Exception as e:  # pylint: disable=broad-except
       recovery.raise_if_lost(e, cluster, jobs=("ps",))
       raise
+    if interrupt.requested() is not None:
+      _stop_on_signal(job)
     t1 = time.time()
     worker_stats = strategy.worker_step_stats()
     # Throughput over the steady state: the first interval pays for tracing and start-up.
@@ -542,12 +563,15 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     stats = _optimizer_stats(job.optimizer)
     stats["hop_bs"] = strategy.hop_bs_stats()
     stats["hop_bw"] = strategy.hop_bw_stats()
+    # The trained model is saved before anything that can still fail (the evaluation, its
+    # snapshot, the summary): a failure there loses no step.
+    saved = job.save_checkpoint()
+    recovery.report(config.model_dir, stats["global_step"], finished=True)
     # A callback that ended the run to hand over to another job (--mode=auto) skips the
     # evaluation: the job that continues evaluates.
     evaluation = (_NOT_EVALUATED if any(getattr(c, "skip_evaluation", False)
-                                        for c in extra_callbacks) else job.evaluate())
-    saved = job.save_checkpoint()
-    recovery.report(config.model_dir, stats["global_step"], finished=True)
+                                        for c in extra_callbacks)
+                  else final_evaluation(job.evaluate, saved))
     if shared is not None:
       # Only steps that trained a batch run the strategy's step and count on their worker;
       # the no-op reads at the end of the list do not.
@@ -579,6 +603,32 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     summary_lib.write(config.model_dir, summary)
     summary_lib.print_summary(summary)
     return summary
+
+
+def _stop_on_signal(job: "_Job") -> None:
+  """After `fit` ended at a signal: writes the checkpoint of the steps trained (every step
+  scheduled has finished), records it as the run's progress, so that a rerun resumes from it
+  with nothing trained again, and raises interrupt.Interrupted."""
+  saved = job.save_checkpoint()
+  step = int(job.optimizer.iterations.numpy())
+  if job.shared_input is not None:
+    seen = job.shared_input.seen_total()
+    if seen is not None:
+      recovery.record_seen(job.config.model_dir, seen, step)
+  recovery.report(job.config.model_dir, step)
+  raise interrupt.Interrupted(interrupt.requested(), saved, step)
+
+
+def final_evaluation(evaluate, saved: str) -> dict:
+  """`evaluate()`, after the run's last checkpoint `saved` was written: a failure (a full disk
+  under the eval snapshot, an unreadable eval file) is one line that says the model is safe."""
+  try:
+    return evaluate()
+  except (OSError, ValueError, tf.errors.OpError) as e:
+    raise recovery.AfterTrainingError(
+        f"training finished and its checkpoint {saved} was written, but the final evaluation "
+        f"failed: {preflight.first_line(e)[:300]}. Fix that and evaluate the checkpoint (a "
+        "rerun of the same command finds the run finished and trains --steps more).") from e
 
 
 def _fit(model, strategy, data, epochs: int, steps_per_epoch: int, callbacks=(), job=None):
@@ -617,7 +667,7 @@ def fit_shared(model, optimizer, shared, epochs: int, callbacks=(), steps_per_ep
     history = model.history
   finally:
     shared.stop_watching()
-  if shared.day_mode and shared.stalled is None:
+  if shared.day_mode and shared.stalled is None and interrupt.requested() is None:
     flushed = shared.flush_partial_step(model, optimizer)
     if flushed:
       _log(f"tf_gba: end of the day: the last global step completed with {flushed} zero "

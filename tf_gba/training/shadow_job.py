@@ -39,6 +39,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from tf_gba import data as data_lib
+from tf_gba.common import interrupt
 from tf_gba.common import metrics
 from tf_gba import models as models_lib
 from tf_gba.distribute import LocalCluster
@@ -651,6 +652,8 @@ class _Monitor:
           f"no worker finished a step for {cfg.stall_timeout_s:.0f} s (--stall_timeout_s): a "
           "worker or parameter server stopped answering. Rerun the same command to resume from "
           "the last checkpoint in model_dir.")
+    if interrupt.requested() is not None:
+      self.budget.stop()  # SIGINT or SIGTERM: the steps running finish, then train() saves
     if taken >= self.budget.total:
       return  # the run's last checkpoint and line follow
     if cfg.log_every and taken >= self.next_log:
@@ -789,6 +792,13 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
     root = recovery.root_error(errors)
     recovery.raise_if_lost(root, cluster, jobs=("ps", "worker"))
     raise root
+  if interrupt.requested() is not None:
+    # The checkpoint of a periodic save (the replicas' average as they are), recorded as the
+    # run's progress: a rerun resumes from it toward the same target, nothing trained again.
+    saved = save()
+    global_step = int(rm.saved_optimizer.iterations.numpy())
+    recovery.report(cfg.model_dir, global_step)
+    raise interrupt.Interrupted(interrupt.requested(), saved, global_step)
   spread_before_final = rm.spread()
   # Kept for inspection: the final model must be their average.
   rm.before_final = [[v.numpy() for v in dense] for dense in rm.replica_dense]
@@ -855,6 +865,8 @@ def run(config) -> Dict:
   checked before (`tf_gba.training.runner.run`, the registry's `validate`)."""
   preflight.write_metadata(config)
   if os.environ.get("TF_CONFIG"):
+    from tf_gba.training import runner  # pylint: disable=g-import-not-at-top
+    runner.wait_for_cluster(config)
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     spec = resolver.cluster_spec().as_dict()
     summary = train(config, resolver, len(spec["worker"]), len(spec["ps"]))

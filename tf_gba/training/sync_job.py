@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -34,8 +35,10 @@ import tf_keras as keras
 from tf_gba import data as data_lib
 from tf_gba import models as models_lib
 from tf_gba.distribute import stragglers as stragglers_lib
+from tf_gba.common import interrupt
 from tf_gba.common import metrics
 from tf_gba.training import preflight
+from tf_gba.training import recovery
 from tf_gba.training import resharding
 from tf_gba.training import summary as summary_lib
 from tf_gba.training.config import TrainConfig
@@ -44,6 +47,10 @@ from tf_gba.training.evaluation import eval_dataset
 MODE = "sync"
 # The chief marks its progress lines so the launcher can pick them out of its log.
 _PROGRESS_PREFIX = "[sync] "
+# Created in model_dir by the launcher when SIGINT or SIGTERM reaches it (the workers, each in a
+# session of its own, do not receive the terminal's or the platform's signal): the workers read it
+# at each progress line and stop together, checkpointing.
+STOP_FILE = "tf_gba_stop_request"
 
 
 def validate(config: TrainConfig) -> None:
@@ -107,13 +114,14 @@ def build_and_restore(cfg: TrainConfig, strategy, info=None):
   return model, optimizer, latest
 
 
-def run_worker(config: dict, auto: dict = None) -> dict:
+def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
   """Trains on this worker (one process of a MultiWorkerMirroredStrategy cluster).
 
   With `auto` (`--mode=auto`: `tf_gba.training.auto_policy.PolicyConfig` as a dict), the workers
   gather their step times at every progress line and stop together, checkpointing, when the
   policy decides to switch to GBA; the chief's result then holds `auto` (the observations and the
-  decision).
+  decision). `stop_file`: a path whose existence, checked by every worker at each progress line,
+  stops the run there with a checkpoint (the result then has `interrupted`).
 
   Every worker must run this with the same `config` (a `TrainConfig` as a dict); the cluster comes
   from TF_CONFIG. Runs `max(1, steps // workers)` global steps (one global step is one local batch
@@ -163,6 +171,7 @@ def run_worker(config: dict, auto: dict = None) -> dict:
         f"{int(optimizer.iterations.numpy())}")
   start_step = int(optimizer.iterations.numpy())
   total = max(1, cfg.steps // num_workers)
+  resume = None
 
   def dataset_fn(ctx):
     # Repeating: with a finite dataset every next() on the distributed iterator would be a
@@ -251,6 +260,22 @@ def run_worker(config: dict, auto: dict = None) -> dict:
     position.elapsed_ns.assign(positions[:, 1])
     return manager.save(checkpoint_number=number)
 
+  if auto is None:
+    # Where the run ends, in global steps: the chief's progress record, as in the other modes
+    # (tf_gba.training.recovery); a rerun after an interruption goes on to the same target. Every
+    # worker takes the chief's target (a collective).
+    mine = [0.0]
+    if is_chief:
+      os.makedirs(cfg.model_dir, exist_ok=True)
+      resume = recovery.begin(cfg.model_dir, MODE, cfg.steps, start_step,
+                              target_if_new=start_step + total)
+      mine = [float(resume.target_global_step)]
+      if resume.resumed:
+        log(f"resuming an interrupted run (restart {resume.restarts}): global step {start_step} "
+            f"of {resume.target_global_step}, {resume.steps_redone} global steps redone so far")
+    total = max(0, int(gather(mine)[0, 0]) - start_step)
+  interrupted = False
+
   policy = None
   if auto is not None:
     # Imported here: the policy imports the simulator, which the plain sync mode does not need.
@@ -314,8 +339,15 @@ def run_worker(config: dict, auto: dict = None) -> dict:
     logged, interval_begin = step, now
     if warm is None and step < total:
       warm = (now, step)
-    log(f"step {step * num_workers}/{cfg.steps}  global step {start_step + step}  "
+    log(f"step {step * num_workers}/{total * num_workers}  global step {start_step + step}  "
         f"loss {final_loss:.4f}  QPS {qps:,.0f}")
+    if is_chief and resume is not None:
+      recovery.report(cfg.model_dir, start_step + step)
+    if (stop_file and step < total and
+        worker_mean(float(os.path.exists(stop_file))) > 0):  # a collective: all stop here
+      interrupted = True
+      total = step
+      break
     if policy is not None and step < total:
       own = _step_stats()
       own_now = (own["steps"], stragglers_lib.in_step_seconds(own))
@@ -375,10 +407,23 @@ def run_worker(config: dict, auto: dict = None) -> dict:
   if policy is not None:
     result["auto"] = {"decision": decision, "observations": policy.observations,
                       "timeline": timeline}
+  if resume is not None:
+    result.update(target_global_step=resume.target_global_step, restarts=resume.restarts,
+                  restart_causes=resume.restart_causes, steps_redone=resume.steps_redone,
+                  batches_reread=resume.steps_redone * num_workers)
+    recovery.report(cfg.model_dir, global_step, finished=not interrupted)
+  if interrupted:
+    result.update(interrupted=True, checkpoint=saved)
+    return result
   if is_chief:
     # A stay that hands over to GBA (--mode=auto) is not evaluated: the job that continues is.
-    evaluation = (evaluate() if decision is None else
-                  {"auc": float("nan"), "logloss": float("nan"), "examples": 0})
+    try:
+      evaluation = (evaluate() if decision is None else
+                    {"auc": float("nan"), "logloss": float("nan"), "examples": 0})
+    except (OSError, ValueError, tf.errors.OpError) as e:
+      # After the checkpoint: the launcher reports it in one line, the model is safe.
+      result.update(checkpoint=saved, after_training_error=preflight.first_line(e)[:300])
+      return result
     result.update(
         checkpoint=saved, eval_auc=evaluation["auc"], eval_logloss=evaluation["logloss"],
         eval_examples=evaluation["examples"],
@@ -453,7 +498,11 @@ def summarize(config: TrainConfig, results: List[dict]) -> dict:
       final_train_loss=chief["final_train_loss"], eval_auc=chief["eval_auc"],
       eval_logloss=chief["eval_logloss"], eval_examples=chief["eval_examples"],
       checkpoint=chief["checkpoint"],
-      **({"auto": chief["auto"]} if "auto" in chief else {}))
+      **({"auto": chief["auto"]} if "auto" in chief else {}),
+      **{k: chief[k] for k in ("target_global_step", "restarts", "restart_causes",
+                               "steps_redone", "batches_reread") if k in chief},
+      # (The summary's recovery line counts restarted processes: none restarts on its own here.)
+      **({"worker_restarts": 0} if "restarts" in chief else {}))
 
 
 def run_sync(config: TrainConfig, timeout_s: float = 24 * 3600.0, auto: dict = None) -> dict:
@@ -488,15 +537,35 @@ def run_sync(config: TrainConfig, timeout_s: float = 24 * 3600.0, auto: dict = N
   stop = threading.Event()
   echo = threading.Thread(target=_echo_progress, args=(chief_log, stop), daemon=True)
   echo.start()
+  stop_file = os.path.join(config.model_dir, STOP_FILE)
+  if os.path.exists(stop_file):
+    os.remove(stop_file)  # a previous run's request
+
+  def request_stop():
+    with open(stop_file, "w"):
+      pass
+
+  interrupt.on_request(request_stop)
   try:
     results = run_collective_cluster(
         "tf_gba.training.sync_job:run_worker", num_workers=config.num_workers,
-        kwargs={"config": dataclasses.asdict(config),
+        kwargs={"config": dataclasses.asdict(config), "stop_file": stop_file,
                 **({"auto": auto} if auto is not None else {})},
         timeout_s=timeout_s, log_dir=log_dir)
   finally:
+    interrupt.remove_on_request(request_stop)
     stop.set()
     echo.join(5.0)
+    if os.path.exists(stop_file):
+      os.remove(stop_file)
+  chief = results[0]
+  if chief.get("interrupted"):
+    raise interrupt.Interrupted(interrupt.requested() or signal.SIGTERM, chief["checkpoint"],
+                                int(chief["global_step"]))
+  if chief.get("after_training_error"):
+    raise recovery.AfterTrainingError(
+        f"training finished and its checkpoint {chief['checkpoint']} was written, but the final "
+        f"evaluation failed: {chief['after_training_error']}.")
   summary = summarize(config, results)
   summary_lib.write(config.model_dir, summary)
   summary_lib.print_summary(summary)
