@@ -397,6 +397,9 @@ def _stopped(e) -> None:
 
 
 def _entry(argv):
+  if argv and len(argv) > 1:  # words absl did not take as flags would otherwise be ignored
+    _fail(f"unexpected argument(s) {' '.join(argv[1:])!r}: every option is a --flag=value; "
+          "check for a flag that lost its '--' or a value split from its flag.")
   _check_mode_flags()
   _check_tf_config()
   _isolate()

@@ -94,6 +94,9 @@ def _criteo_rows(n):
     (["--no_such_flag=1"], "train.py: error: Unknown command line flag 'no_such_flag' (python "
                            "examples/train.py --help lists the flags)"),
     (["--steps=many"], "train.py: error: flag --steps=many: invalid literal for int()"),
+    # Words that are not flags were ignored (a boolean flag's value split from it: --nox 1).
+    (["--mode=async", "stray", "words"], "train.py: error: unexpected argument(s) 'stray "
+                                         "words': every option is a --flag=value"),
 ])
 def test_flags_out_of_range(tmp_path, flags, expected):
   line = _error_line(_train(*flags, f"--model_dir={tmp_path / 'm'}"))
