@@ -33,9 +33,10 @@ build: $(EDITABLE)
 	$(PY) setup.py -q build_ext --inplace
 
 # Each test module runs in its own process (tests/module_process.py), so the DTS modules get their
-# logical CPUs configured before TensorFlow starts and no module sees another's stopped clusters.
+# logical CPUs configured before TensorFlow starts and no module sees another's stopped clusters;
+# up to TF_GBA_TEST_JOBS of them at once. The 15 slowest tests are listed at the end.
 test: build
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 tests $(PYTEST_ARGS)
 
 # The main job: DeepFM on synthetic data with GBA, 1 PS + 4 worker processes on 127.0.0.1, under
 # transient stragglers (every step 4x slower with p=0.2) plus worker 0 persistently 2x slower.

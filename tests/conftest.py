@@ -57,11 +57,11 @@ import tf_gba  # noqa: E402,F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is
 try:
   from module_process import (  # noqa: E402,F401  pylint: disable=g-bad-import-order
       pytest_addoption, pytest_collection_modifyitems, pytest_configure,
-      pytest_runtest_protocol)
+      pytest_runtest_protocol, pytest_sessionfinish)
 except ModuleNotFoundError:  # loaded as a plugin (`-p tests.conftest`), not as tests/' conftest
   from tests.module_process import (  # noqa: E402,F401  pylint: disable=g-bad-import-order
       pytest_addoption, pytest_collection_modifyitems, pytest_configure,
-      pytest_runtest_protocol)
+      pytest_runtest_protocol, pytest_sessionfinish)
 
 
 def pytest_unconfigure(config):
