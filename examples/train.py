@@ -166,6 +166,16 @@ def define_flags() -> None:
   flags.DEFINE_bool("dry_run", False, "Check the flags, the configuration, the data and "
                     "model_dir as a run does before it starts anything, print one line and exit "
                     "(0 when all is valid); no server, cluster or network namespace is started.")
+  flags.DEFINE_float("auto_sync_efficiency", 1.0, "--mode=auto: Sync's measured QPS over its "
+                     "model QPS (N x batch / slowest step time) assumed before its first stay.")
+  flags.DEFINE_float("auto_gba_efficiency", 1.0, "--mode=auto: GBA's measured QPS over its model "
+                     "QPS (batch x sum of the workers' step rates) assumed before its first stay.")
+  flags.DEFINE_bool("auto_learn_efficiency", True, "--mode=auto: replace a mode's efficiency by "
+                    "the one measured in its last stay (off: the flags' values hold throughout).")
+  flags.DEFINE_float("auto_switch_cost_s", 30.0, "--mode=auto: seconds a switch costs, assumed "
+                     "until one is measured (then the mean of the last two measured).")
+  flags.DEFINE_float("auto_horizon_s", 60.0, "--mode=auto: a switch is taken when the time it "
+                     "saves over this many seconds (at least --auto_dwell_s) exceeds its cost.")
 
 
 def _task_type() -> str:

@@ -1,6 +1,7 @@
 """Straggler profiles: parsing, and real slowdowns on the async path of a local cluster."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -64,6 +65,30 @@ def test_compute_floor_pads_the_step_then_the_factor_stretches_it(factor):
     assert delay == pytest.approx(want, abs=1e-6)
     assert (delay_ns - delay_before) * 1e-9 == pytest.approx(want, abs=1e-6)
     steps_before, busy_before, delay_before = steps, busy_ns, delay_ns
+
+
+def test_timed_profile_times_every_step_and_slows_none():
+  # `timed` (what --mode=auto runs without a profile): each step's own time is counted as under
+  # a profile, no delay; `none` carries no timing op at all.
+  assert stragglers.parse("timed") == stragglers.TIMED
+  assert stragglers.timed("none") == stragglers.TIMED
+  assert stragglers.timed("compute;40.0") == "compute;40.0"
+  assert stragglers.timed_step_start("none") is None
+  ops = stragglers._ops()
+  steps0, busy0, delay0 = ops.gba_worker_step_stats().numpy()[:3]
+  for _ in range(3):
+    begin = time.monotonic_ns()
+    start = stragglers.timed_step_start(stragglers.TIMED)
+    time.sleep(0.01)
+    delay = float(stragglers.timed_step_end(start, stragglers.TIMED, 0))
+    outside = (time.monotonic_ns() - begin) * 1e-9
+    steps, busy, delays = ops.gba_worker_step_stats().numpy()[:3]
+    assert delay == 0.0 and delays == delay0
+    assert steps == steps0 + 1
+    assert 0.01 <= (busy - busy0) * 1e-9 <= outside
+    steps0, busy0 = steps, busy
+  factors, floor = stragglers.slowdown_factors([0, 1], [3, 4], [1.0, 2.0], stragglers.TIMED, 0)
+  assert np.array_equal(factors, [1.0, 1.0]) and floor == 0.0
 
 
 def test_compute_floor_leaves_a_longer_step_alone():

@@ -1,10 +1,14 @@
 """--mode=auto on real local clusters: a straggler trace slows one worker in its middle window; the
 job leaves Sync for GBA while the worker is slow and comes back once it is not, through the
-checkpoint in model_dir, and the summary counts both switches."""
+checkpoint in model_dir, and the summary counts both switches, with their measured costs. Without
+a straggler profile (the binary's default) auto still measures every worker's step time."""
 
 import json
 import os
 
+import numpy as np
+
+import pytest
 import tensorflow as tf
 
 from tf_gba.training import runner
@@ -24,7 +28,15 @@ def test_auto_switches_to_gba_and_back_on_a_trace(tmp_path):
                     data_options="num_examples=4000,vocab_size=8000", num_ps=1, num_workers=2,
                     local_batch_size=32, steps=STEPS, log_every=8, eval_examples=512,
                     model_dir=model_dir, stragglers=f"compute:100+trace:{trace}",
-                    auto_dwell_s=0.0, auto_confirm=2)
+                    auto_dwell_s=0.0, auto_confirm=2, auto_margin=0.1, auto_hysteresis=0.05,
+                    # Held efficiencies (both modes predicted as model QPS x efficiency,
+                    # whatever this machine's load): GBA at 0.5 of its model, Sync at its model,
+                    # so that Sync is the faster mode on quiet workers (expected gain 0.5) and
+                    # GBA while worker 1 is slow (2.5 x 0.5 = 1.25). Over 600 s the first switch
+                    # saves 150 s, the second 600 s: more than a switch costs here (65-90 s
+                    # measured on a loaded machine).
+                    auto_sync_efficiency=1.0, auto_gba_efficiency=0.5,
+                    auto_learn_efficiency=False, auto_switch_cost_s=0.0, auto_horizon_s=600.0)
   summary = runner.run(cfg)
 
   assert summary["mode"] == "auto"
@@ -37,6 +49,28 @@ def test_auto_switches_to_gba_and_back_on_a_trace(tmp_path):
   slow, fast = first["per_worker_step_seconds"][1], first["per_worker_step_seconds"][0]
   assert slow > 2.5 * fast
   assert second["predicted_gain"] < 1.15
+  # Expected gains from the held efficiencies: 0.5 x the model's.
+  for switch in (first, second):
+    assert switch["expected_gain"] == pytest.approx(
+        0.5 * switch["predicted_gba_qps"] / switch["predicted_sync_qps"], rel=1e-9)
+    assert switch["efficiency"] == pytest.approx(
+        switch["measured_qps"] / switch[f"predicted_{switch['from']}_qps"], rel=1e-9)
+  assert first["expected_gain"] >= 1.1
+  assert second["expected_gain"] < 1.05
+  # The first switch's cost is measured (decision to the next mode's first observed interval)
+  # and is what the second decision expected; its parts add up to it.
+  assert first["expected_switch_cost_s"] == 0.0
+  assert first["cost_s"] > 0
+  assert second["expected_switch_cost_s"] == pytest.approx(first["cost_s"])
+  parts = first["cost_breakdown_s"]
+  assert set(parts) >= {"end_stay_s", "start_s", "first_interval_s", "to_checkpoint_s",
+                        "checkpoint_s", "exit_s"}
+  assert all(v >= 0 for v in parts.values())
+  # Up to the job's own bookkeeping between two stays.
+  assert parts["end_stay_s"] + parts["start_s"] + parts["first_interval_s"] == pytest.approx(
+      first["cost_s"], abs=0.5)
+  assert parts["to_checkpoint_s"] + parts["checkpoint_s"] + parts["exit_s"] == pytest.approx(
+      parts["end_stay_s"], abs=1e-6)
   assert 0 < first["at_step"] < second["at_step"] < STEPS
 
   stays = summary["stays"]
@@ -61,3 +95,24 @@ def test_auto_switches_to_gba_and_back_on_a_trace(tmp_path):
   assert 0.5 < summary["eval_auc"] <= 1.0
   assert [p["mode"] for p in summary["timeline"]][0] == "sync"
   assert {p["mode"] for p in summary["timeline"]} == {"sync", "gba"}
+
+
+def test_auto_measures_step_times_without_a_profile(tmp_path):
+  # The binary's default profile (none): the stays run `timed`, so every worker's own step time
+  # is measured; no switch within a dwell time longer than the run.
+  cfg = TrainConfig(mode="auto", model="deepfm", data="synthetic",
+                    data_options="num_examples=2000,vocab_size=4000", num_ps=1, num_workers=2,
+                    local_batch_size=32, steps=96, log_every=8, eval_examples=256,
+                    model_dir=str(tmp_path / "model"), auto_dwell_s=1e6)
+  summary = runner.run(cfg)
+  assert summary["num_switches"] == 0 and summary["stragglers"] == "none"
+  (stay,) = summary["stays"]
+  assert stay["mode"] == "sync" and stay["skipped_observations"] == 0
+  # 48 global steps logged every 4: 12 intervals, the first not an observation, nor the last
+  # (the run's end).
+  assert stay["observations"] == 10
+  times = np.array(stay["step_seconds"])
+  assert times.shape == (10, 2) and np.all(times > 0)
+  # The efficiency is the measured QPS over the model's, N x B / slowest step.
+  assert 0 < stay["efficiency"] == pytest.approx(summary["efficiency"]["sync"])
+  assert summary["steps"] == 96 and 0.5 < summary["eval_auc"] <= 1.0

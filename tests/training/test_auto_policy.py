@@ -1,11 +1,13 @@
-"""The --mode=auto switching policy: its throughput model against NumPy and the simulator, and
-its hysteresis, confirmation and dwell time on hand-made sequences of step times."""
+"""The --mode=auto switching policy: its throughput model against NumPy and the simulator; its
+hysteresis, confirmation and dwell time on hand-made sequences of step times; the measured
+efficiencies and the switch cost rule against hand-computed and NumPy references."""
 
 import numpy as np
 import pytest
 
 from tf_gba.simulate import SimConfig, predicted_qps, simulate
-from tf_gba.training.auto_policy import AutoPolicy, PolicyConfig
+from tf_gba.simulate import auto as simulate_auto
+from tf_gba.training.auto_policy import AutoPolicy, PolicyConfig, expected_switch_cost
 
 
 def reference(times: np.ndarray, batch: int):
@@ -58,16 +60,31 @@ def two_workers(gain: float):
   return [0.1, 0.1 * (2 * gain - 1)]
 
 
+def model_qps(mode: str, times, batch=256) -> float:
+  return predicted_qps(times, batch)["sync_qps" if mode == "sync" else "gba_qps"]
+
+
+def observe(policy: AutoPolicy, trained_s, times, efficiency=1.0):
+  """An observation whose measured QPS is `efficiency` x the current mode's model QPS."""
+  return policy.observe(trained_s, times, efficiency * model_qps(policy.mode, times,
+                                                                  policy.local_batch_size))
+
+
 def run(policy: AutoPolicy, gains, start_s=100.0):
-  """Feeds one observation per second; the index of the first switch, or None."""
+  """Feeds one observation per second, each mode at its model QPS; the index of the first
+  switch, or None."""
   for i, g in enumerate(gains):
-    if policy.observe(start_s + i, two_workers(g)) is not None:
+    if observe(policy, start_s + i, two_workers(g)) is not None:
       return i
   return None
 
 
+# The rules of the model alone: efficiencies 1, switches free.
+FREE = dict(switch_cost_s=0.0)
+
+
 def test_sync_to_gba_needs_the_margin_and_confirmation():
-  cfg = PolicyConfig(margin=0.3, hysteresis=0.15, dwell_s=0, confirm=2)
+  cfg = PolicyConfig(margin=0.3, hysteresis=0.15, dwell_s=0, confirm=2, **FREE)
   # Just under 1.3 never switches; 1.35 twice in a row does, at the second.
   assert run(AutoPolicy(cfg, "sync", 256), [1.29] * 10) is None
   assert run(AutoPolicy(cfg, "sync", 256), [1.0, 1.35, 1.35, 1.0]) == 2
@@ -80,34 +97,45 @@ def test_sync_to_gba_needs_the_margin_and_confirmation():
   assert last["per_worker_step_seconds"] == pytest.approx(two_workers(1.4))
 
 
-def test_gba_to_sync_uses_the_lower_threshold():
-  cfg = PolicyConfig(margin=0.3, hysteresis=0.15, dwell_s=0, confirm=2)
-  # Between 1.15 and 1.3 GBA stays (hysteresis); below 1.15 it goes back.
+def test_gba_to_sync_needs_sync_to_be_faster():
+  cfg = PolicyConfig(margin=0.3, hysteresis=0.15, dwell_s=0, confirm=2, **FREE)
+  # Each mode at its model QPS: GBA is never slower (model gain >= 1), so it stays, inside the
+  # hysteresis band and below it: a switch to a mode expected no faster saves nothing.
   assert run(AutoPolicy(cfg, "gba", 256), [1.2] * 10) is None
-  assert run(AutoPolicy(cfg, "gba", 256), [2.0, 1.1, 1.1]) == 2
+  assert run(AutoPolicy(cfg, "gba", 256), [1.0] * 10) is None
+  # GBA measured at 0.8 of its model, Sync expected at its model: at a model gain of 1.0 Sync is
+  # 1 / 0.8 = 1.25x faster; the second agreeing observation goes back.
   policy = AutoPolicy(cfg, "gba", 256)
-  policy.observe(100, two_workers(1.0))
-  decision = policy.observe(101, two_workers(1.0))
+  assert observe(policy, 100, two_workers(1.0), efficiency=0.8) is None
+  decision = observe(policy, 101, two_workers(1.0), efficiency=0.8)
   assert decision["from"] == "gba" and decision["to"] == "sync"
   assert decision["threshold"] == pytest.approx(1.15)
   assert decision["predicted_gain"] == pytest.approx(1.0)
+  assert decision["expected_gain"] == pytest.approx(0.8)
+  assert decision["saved_s"] == pytest.approx(60.0 * (1 / 0.8 - 1))
+  # At 0.9 of its model and a model gain of 1.2 GBA is expected 1.08x Sync: it stays.
+  assert run(AutoPolicy(cfg, "gba", 256), [1.2] * 10) is None
+  policy = AutoPolicy(cfg, "gba", 256)
+  assert all(observe(policy, 100 + i, two_workers(1.2), 0.9) is None for i in range(5))
 
 
 def test_dwell_time():
-  cfg = PolicyConfig(margin=0.3, hysteresis=0.15, dwell_s=10.0, confirm=1)
+  cfg = PolicyConfig(margin=0.3, hysteresis=0.15, dwell_s=10.0, confirm=1, **FREE)
   policy = AutoPolicy(cfg, "sync", 256)
   # Strong gains before 10 s in the mode: no switch; the first observation at 10 s switches.
   for t in (1.0, 5.0, 9.9):
-    assert policy.observe(t, two_workers(3.0)) is None
-  assert policy.observe(10.0, two_workers(3.0))["to"] == "gba"
+    assert observe(policy, t, two_workers(3.0)) is None
+  assert observe(policy, 10.0, two_workers(3.0))["to"] == "gba"
   # After the dwell time a gain that does not qualify still does not switch.
-  assert AutoPolicy(cfg, "sync", 256).observe(50.0, two_workers(1.2)) is None
+  assert observe(AutoPolicy(cfg, "sync", 256), 50.0, two_workers(1.2)) is None
 
 
 @pytest.mark.parametrize("kwargs, flag", [
     (dict(margin=0.0), "--auto_margin"), (dict(margin=0.2, hysteresis=0.3), "--auto_hysteresis"),
     (dict(hysteresis=-0.1), "--auto_hysteresis"), (dict(dwell_s=-1), "--auto_dwell_s"),
-    (dict(confirm=0), "--auto_confirm")])
+    (dict(confirm=0), "--auto_confirm"), (dict(sync_efficiency=0), "--auto_sync_efficiency"),
+    (dict(gba_efficiency=-1), "--auto_gba_efficiency"),
+    (dict(switch_cost_s=-1), "--auto_switch_cost_s"), (dict(horizon_s=0), "--auto_horizon_s")])
 def test_bad_parameters(kwargs, flag):
   with pytest.raises(ValueError, match=flag):
     PolicyConfig(**kwargs)
@@ -124,3 +152,200 @@ def test_config_refuses_another_global_batch():
     TrainConfig(mode="auto", num_workers=4, local_batch_size=64, global_batch_size=512).validate()
   with pytest.raises(ValueError, match="--auto_confirm"):
     TrainConfig(mode="auto", auto_confirm=0).validate()
+
+
+def reference_decision(mode, times, measured_qps, efficiency, cost, horizon, enter, leave,
+                       batch=256):
+  """The rule written out with NumPy: (expected gain, time saved, whether it switches)."""
+  t = np.asarray(times, np.float64)
+  model = {"sync": len(t) * batch / t.max(), "gba": batch * np.sum(1.0 / t)}
+  other = "gba" if mode == "sync" else "sync"
+  expected = {mode: measured_qps, other: model[other] * efficiency[other]}
+  gain = expected["gba"] / expected["sync"]
+  saved = horizon * (expected[other] / expected[mode] - 1.0)
+  wants = gain >= enter if mode == "sync" else gain < leave
+  return gain, saved, bool(wants and saved > cost)
+
+
+def test_measured_efficiency_by_hand():
+  # The quiet cluster with a 100 ms floor measured on this machine: four equal workers, Sync
+  # measured at 7,400 QPS (model 4 x 256 / 0.1 = 10,240), GBA known to reach 0.85 of its model.
+  cfg = PolicyConfig(margin=0.1, hysteresis=0.05, dwell_s=0, confirm=1, switch_cost_s=20.0,
+                     horizon_s=120.0)
+  policy = AutoPolicy(cfg, "sync", 256, efficiency={"gba": 0.85})
+  decision = policy.observe(30.0, [0.1] * 4, 7400.0)
+  # Expected GBA: 10,240 x 0.85 = 8,704; gain 8,704 / 7,400 = 1.1762 >= 1.1; saves
+  # 120 x 0.1762 = 21.15 s > 20 s: switches.
+  assert decision is not None and decision["to"] == "gba"
+  assert decision["predicted_gain"] == pytest.approx(1.0)
+  assert decision["expected_gba_qps"] == pytest.approx(8704.0)
+  assert decision["expected_gain"] == pytest.approx(8704.0 / 7400.0)
+  assert decision["efficiency"] == pytest.approx(7400.0 / 10240.0)
+  assert decision["saved_s"] == pytest.approx(120.0 * (8704.0 / 7400.0 - 1.0))
+  # The same with a switch that costs 25 s: not worth it.
+  costly = AutoPolicy(cfg, "sync", 256, {"gba": 0.85}, [25.0])
+  assert costly.observe(30.0, [0.1] * 4, 7400.0) is None
+  # No compute floor: Sync measured 27,650, GBA 23,311 at the same step times: Sync's efficiency
+  # is higher, and in GBA the job wants Sync back.
+  times = [0.03, 0.032, 0.031, 0.033]
+  sync_model, gba_model = model_qps("sync", times), model_qps("gba", times)
+  eff = {"sync": 27650.0 / sync_model}
+  policy = AutoPolicy(cfg, "gba", 256, eff, [5.0])
+  decision = policy.observe(40.0, times, 23311.0)
+  assert decision is not None and decision["to"] == "sync"
+  assert decision["expected_sync_qps"] == pytest.approx(27650.0)
+  assert decision["efficiency"] == pytest.approx(23311.0 / gba_model)
+
+
+def test_decisions_match_numpy_reference():
+  rng = np.random.default_rng(7)
+  cfg = PolicyConfig(margin=0.2, hysteresis=0.1, dwell_s=0, confirm=1, horizon_s=90.0)
+  switched = stayed = 0
+  for _ in range(300):
+    mode = "sync" if rng.random() < 0.5 else "gba"
+    times = rng.uniform(0.05, 0.4, size=int(rng.integers(2, 9)))
+    efficiency = {"sync": rng.uniform(0.3, 1.0), "gba": rng.uniform(0.3, 1.0)}
+    own_model = model_qps(mode, times)
+    measured = own_model * rng.uniform(0.3, 1.0)
+    cost = rng.uniform(0.0, 60.0)
+    gain, saved, switch = reference_decision(mode, times, measured, efficiency, cost, 90.0,
+                                             1.2, 1.1)
+    policy = AutoPolicy(cfg, mode, 256, efficiency, [cost])
+    got = policy.observe(10.0, times, measured)
+    record = policy.observations[-1]
+    assert record["expected_gain"] == pytest.approx(gain, rel=1e-12)
+    assert record["saved_s"] == pytest.approx(saved, rel=1e-9, abs=1e-9)
+    assert record["efficiency"] == pytest.approx(measured / own_model, rel=1e-12)
+    assert (got is not None) == switch
+    switched += switch
+    stayed += not switch
+  assert switched > 20 and stayed > 20  # both outcomes exercised
+
+
+def test_horizon_is_at_least_the_dwell_time():
+  cfg = PolicyConfig(margin=0.1, hysteresis=0.05, dwell_s=200.0, confirm=1, horizon_s=10.0,
+                     switch_cost_s=50.0)
+  policy = AutoPolicy(cfg, "sync", 256, {"gba": 1.0})
+  # Gain 1.5 (two workers, one 2x slower): saves 200 x 0.5 = 100 s > 50 s (over 10 s: 5 s).
+  assert policy.observe(250.0, [0.1, 0.2], model_qps("sync", [0.1, 0.2]))["saved_s"] == (
+      pytest.approx(100.0))
+
+
+def test_stay_efficiency_is_the_mean_of_its_observations():
+  policy = AutoPolicy(PolicyConfig(dwell_s=1e9), "gba", 256)
+  effs = [0.8, 0.9, 0.7]
+  times = [[0.1, 0.2], [0.12, 0.1], [0.3, 0.3]]
+  for i, (e, t) in enumerate(zip(effs, times)):
+    observe(policy, i, t, e)
+  assert policy.stay_efficiency() == pytest.approx(np.mean(effs))
+  assert AutoPolicy(PolicyConfig(), "sync", 8).stay_efficiency() is None
+
+
+def test_interval_without_timed_steps_is_skipped():
+  # Workers whose steps carry no timing op report 0 s: not an observation, never an error.
+  policy = AutoPolicy(PolicyConfig(dwell_s=0, confirm=1, **FREE), "sync", 256)
+  assert policy.observe(5.0, [[0.0, 0.0, 0.0, 0.0]], 1000.0) is None
+  assert policy.observe(6.0, [0.1, float("nan")], 1000.0) is None
+  assert policy.observe(7.0, [0.1, 0.1], 0.0) is None
+  assert policy.skipped == 3 and not policy.observations
+
+
+def test_policy_round_trips_through_a_dict():
+  cfg = PolicyConfig(margin=0.2, hysteresis=0.1, gba_efficiency=0.6, switch_cost_s=12.0)
+  policy = AutoPolicy(cfg, "sync", 64, {"sync": 0.7}, [8.0], 123.0)
+  again = AutoPolicy.from_dict(policy.to_dict())
+  assert again.config == cfg and again.mode == "sync" and again.local_batch_size == 64
+  assert again.efficiency == {"sync": 0.7, "gba": 0.6} and again.switch_cost_s == 8.0
+  assert again.decided_unix == 123.0
+
+
+def test_simulator_replays_the_policys_decisions():
+  # Four workers at a 100 ms floor; workers 0 and 1 4x slower in intervals 10-19. Measured
+  # efficiencies: Sync 0.75 of its model, GBA 0.85; a switch costs 20 s.
+  quiet, slow = [0.1] * 4, [0.4, 0.4, 0.1, 0.1]
+  intervals = [quiet] * 10 + [slow] * 10 + [quiet] * 10
+  eff = {"sync": 0.75, "gba": 0.85}
+  rule = dict(margin=0.1, hysteresis=0.05, dwell_s=0.0, confirm=1)
+
+  def policy_decisions(horizon_s):
+    """AutoPolicy fed the same intervals, a new policy per stay, its first interval skipped."""
+    cfg = PolicyConfig(horizon_s=horizon_s, switch_cost_s=20.0, **rule)
+    mode, policy, out = "sync", None, []
+    for i, times in enumerate(intervals):
+      if policy is None:
+        policy = AutoPolicy(cfg, mode, 256, eff, [20.0])
+        continue
+      d = observe(policy, float(i), times, eff[mode])
+      if d is not None:
+        out.append((i, d["from"], d["to"], d["expected_gain"]))
+        mode, policy = d["to"], None
+    return out
+
+  for horizon_s in (60.0, 200.0):
+    got = simulate_auto.replay(intervals, 5.0, 256, eff, 20.0, horizon_s=horizon_s, **rule)
+    want = policy_decisions(horizon_s)
+    assert [(d["interval"], d["from"], d["to"]) for d in got.decisions] == [w[:3] for w in want]
+    assert [d["expected_gain"] for d in got.decisions] == pytest.approx([w[3] for w in want])
+  # By hand, over 60 s: quiet Sync expects GBA at 8,704 / 7,680 = 1.133 (saves 8 s < 20 s):
+  # stays; in the window GBA's 6,400 x 0.85 = 5,440 against Sync's 1,920 (saves 110 s): switches
+  # at the window's first interval (10), and GBA (8,704 quiet) never goes back to Sync (7,680).
+  got = simulate_auto.replay(intervals, 5.0, 256, eff, 20.0, horizon_s=60.0, **rule)
+  (only,) = got.decisions
+  assert (only["interval"], only["from"], only["to"]) == (10, "sync", "gba")
+  assert only["expected_gain"] == pytest.approx(5440.0 / 1920.0)
+  assert only["saved_s"] == pytest.approx(60.0 * (5440.0 / 1920.0 - 1))
+  assert got.modes == ["sync"] * 11 + ["gba"] * 19
+  assert got.seconds == pytest.approx(30 * 5.0 + 20.0)
+  assert got.examples == pytest.approx(5.0 * (10 * 7680 + 1920 + 9 * 5440 + 10 * 8704))
+  # Over 200 s the quiet Sync's 13 % pays for 20 s (saves 26.7 s): GBA from the first
+  # observation (interval 1), and it stays.
+  got = simulate_auto.replay(intervals, 5.0, 256, eff, 20.0, horizon_s=200.0, **rule)
+  assert [(d["interval"], d["to"]) for d in got.decisions] == [(1, "gba")]
+  assert got.decisions[0]["saved_s"] == pytest.approx(200.0 * (8704.0 / 7680.0 - 1))
+
+
+def test_switch_cost_accounting_by_hand():
+  from tf_gba.training import auto_job  # pylint: disable=g-import-not-at-top
+  cfg = PolicyConfig(switch_cost_s=30.0)
+  # Before any measured switch: the configured estimate; then the mean of the last two.
+  assert expected_switch_cost(cfg, []) == 30.0
+  switches = [{"cost_s": 12.0}, {"cost_s": 49.0}, {"cost_s": 20.0}, {"cost_s": None}]
+  assert auto_job.switch_costs(switches) == [12.0, 49.0, 20.0]
+  assert expected_switch_cost(cfg, auto_job.switch_costs(switches)) == pytest.approx(34.5)
+  # A stay's policy measures the switch into it at its first interval's end, and uses it.
+  policy = AutoPolicy(cfg, "gba", 8, costs=[12.0], decided_unix=1000.0)
+  assert policy.switch_cost_s == 12.0
+  policy.started(1026.0)
+  assert policy.costs == [12.0, 26.0] and policy.switch_cost_s == pytest.approx(19.0)
+  policy.started(2000.0)  # only the first interval is the switch's
+  assert policy.costs == [12.0, 26.0]
+  assert AutoPolicy(cfg, "sync", 8).switch_cost_s == 30.0
+  # Decided at 100 s; the Sync stay began its checkpoint at 101, saved at 103, was gone at 110;
+  # the next stay was called at 110.2, trained from 121 and ended its first interval at 126.
+  switch = {"decided_unix": 100.0, "checkpoint_begin_unix": 101.0, "saved_unix": 103.0,
+            "returned_unix": 110.0, "next_call_unix": 110.2, "cost_s": None}
+  auto_job.account_switch(switch, {"train_begin_unix": 121.0, "first_interval_end_unix": 126.0})
+  assert switch["cost_s"] == pytest.approx(26.0)
+  assert switch["cost_breakdown_s"] == pytest.approx({
+      "end_stay_s": 10.0, "start_s": 10.8, "first_interval_s": 5.0, "to_checkpoint_s": 1.0,
+      "checkpoint_s": 2.0, "exit_s": 7.0})
+  # A next stay that ended before its first observation leaves the cost unmeasured.
+  unmeasured = dict(switch, cost_s=None)
+  del unmeasured["cost_breakdown_s"]
+  auto_job.account_switch(unmeasured, {"train_begin_unix": 121.0,
+                                       "first_interval_end_unix": None})
+  assert unmeasured["cost_s"] is None and "cost_breakdown_s" not in unmeasured
+
+
+def test_held_efficiencies_predict_the_current_mode_too():
+  # --noauto_learn_efficiency: the measured QPS does not enter the decision (recorded only).
+  cfg = PolicyConfig(margin=0.1, hysteresis=0.05, dwell_s=0, confirm=1, switch_cost_s=10.0,
+                     learn_efficiency=False, sync_efficiency=0.8, gba_efficiency=0.6)
+  times = [0.1, 0.25]  # model: Sync 2 x 256 / 0.25 = 2,048; GBA 256 x 14 = 3,584
+  for measured in (100.0, 5000.0):
+    policy = AutoPolicy(cfg, "sync", 256, {"sync": 0.3})  # a held value given by the job
+    decision = policy.observe(5.0, times, measured)
+    assert decision["expected_sync_qps"] == pytest.approx(2048 * 0.3)
+    assert decision["expected_gba_qps"] == pytest.approx(3584 * 0.6)
+    assert decision["expected_gain"] == pytest.approx(3584 * 0.6 / (2048 * 0.3))
+    assert decision["efficiency"] == pytest.approx(measured / 2048)

@@ -77,6 +77,11 @@ def _criteo_rows(n):
     (["--data=parquet:/x"], "Unknown data spec 'parquet:/x'"),
     (["--mode=auto", "--auto_margin=0"], "--auto_margin must be > 0"),
     (["--mode=auto", "--auto_dwell_s=-1"], "--auto_dwell_s must be >= 0"),
+    (["--mode=auto", "--auto_gba_efficiency=0"],
+     "--auto_gba_efficiency (measured QPS / model QPS before a mode's first stay) must be in "
+     "(0, 10]"),
+    (["--mode=auto", "--auto_switch_cost_s=-5"], "--auto_switch_cost_s must be >= 0"),
+    (["--mode=auto", "--auto_horizon_s=0"], "--auto_horizon_s must be > 0"),
     (["--mode=auto", "--global_batch_size=128"],
      "--mode=auto does not use --global_batch_size (used by sync, gba); drop it"),
     # inf passes "> 0" and would train NaNs, exit 0.

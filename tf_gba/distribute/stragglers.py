@@ -3,6 +3,9 @@
 A profile is chosen by a string (the training binary's `--stragglers` flag):
 
   none                      no slowdown
+  timed                     no slowdown, but every step is timed (its own seconds counted, as
+                            under a profile): what `--mode=auto` runs without one, so that it
+                            measures each worker's step time
   persistent:3              worker 0 runs 3x slower; `persistent:3@0,2` workers 0 and 2
   transient:0.2:4           every step of every worker is 4x slower with probability 0.2
   trace:/path/trace.json    {"window_seconds": 5, "workers": {"1": [1, 3, 3, 1]}}: worker 1 is
@@ -45,6 +48,9 @@ AFTER_PUSH = "after_push"
 BEFORE_PUSH = "before_push"
 DELAY_PLACEMENTS = (AFTER_PUSH, BEFORE_PUSH)
 
+# The canonical profile that slows nothing but times every step (`timed_step_start`).
+TIMED = "timed"
+
 
 def check_placement(placement: str) -> str:
   """`placement` if it is one of `DELAY_PLACEMENTS`; else ValueError naming the flag."""
@@ -67,8 +73,8 @@ def _factor(text: str, what: str) -> float:
 def parse(spec: str) -> str:
   """Turns a user's profile string into the op's canonical form; raises ValueError if bad."""
   spec = (spec or "none").strip()
-  if spec == "none":
-    return "none"
+  if spec in ("none", TIMED):
+    return spec
   parts: List[str] = []
   for item in spec.split("+"):
     kind, _, rest = item.strip().partition(":")
@@ -115,9 +121,9 @@ def parse(spec: str) -> str:
         entries.append(f"{int(w)}=" + ":".join(str(x) for x in fs))
       parts.append(f"trace;{window};" + ",".join(entries))
     else:
-      raise ValueError(f"Unknown straggler profile {item!r}; expected none, persistent:<factor>"
-                       "[@workers], transient:<p>:<factor>, trace:<file.json> or compute:<ms> (join several "
-                       "with '+').")
+      raise ValueError(f"Unknown straggler profile {item!r}; expected none, timed (alone), "
+                       "persistent:<factor>[@workers], transient:<p>:<factor>, trace:<file.json> "
+                       "or compute:<ms> (join several with '+').")
   return "+".join(parts)
 
 
@@ -142,7 +148,14 @@ def step_begin():
 
 
 def step_end(start_ns, profile: str, seed: int):
-  return _ops().gba_step_end(start_ns, profile=profile, seed=seed)
+  # `timed` is the op's empty profile: factor 1, no compute floor, the step only measured.
+  return _ops().gba_step_end(start_ns, profile="none" if profile == TIMED else profile, seed=seed)
+
+
+def timed(profile: str) -> str:
+  """`profile` (canonical) with every step timed: `timed` for `none`, else itself (a profile's
+  steps are timed already)."""
+  return TIMED if profile == "none" else profile
 
 
 def timed_step_start(profile: str):
@@ -204,5 +217,6 @@ def slowdown_factors(workers, steps, elapsed_seconds, profile: str, seed: int):
   floor in seconds (0 if none). `profile` is canonical (from `parse`). For the cluster simulator."""
   factors, floor = _ops().gba_straggler_factors(
       tf.constant(workers, tf.int64), tf.constant(steps, tf.int64),
-      tf.constant(elapsed_seconds, tf.float64), profile=profile, seed=seed)
+      tf.constant(elapsed_seconds, tf.float64), profile="none" if profile == TIMED else profile,
+      seed=seed)
   return factors.numpy(), float(floor.numpy())

@@ -16,8 +16,11 @@ list's position would not carry through a Sync stay.
 
 The summary is the last stay's (its evaluation, checkpoint, staleness) with `mode` "auto",
 `steps`, `examples` and `wall_seconds` of the whole run (switches included), `switches` (each
-with the step it happened at, the modes, the predicted gain and the step times that caused it),
-`stays` and a `timeline` of (seconds, mode, QPS) for plotting.
+with the step it happened at, the modes, the model's and the expected gain, the time it was to
+save, its expected and measured cost and where that went, and the step times that caused it),
+`stays` (each with its measured efficiency) and a `timeline` of (seconds, mode, QPS) for plotting.
+
+Without a straggler profile the stays run the `timed` profile: every step timed, none slowed.
 """
 
 import dataclasses
@@ -35,8 +38,40 @@ from tf_gba.training.config import TrainConfig
 
 
 def policy_config(config: TrainConfig) -> auto_policy.PolicyConfig:
-  return auto_policy.PolicyConfig(margin=config.auto_margin, hysteresis=config.auto_hysteresis,
-                                  dwell_s=config.auto_dwell_s, confirm=config.auto_confirm)
+  return auto_policy.PolicyConfig(
+      margin=config.auto_margin, hysteresis=config.auto_hysteresis, dwell_s=config.auto_dwell_s,
+      confirm=config.auto_confirm, sync_efficiency=config.auto_sync_efficiency,
+      gba_efficiency=config.auto_gba_efficiency,
+      learn_efficiency=config.auto_learn_efficiency, switch_cost_s=config.auto_switch_cost_s,
+      horizon_s=config.auto_horizon_s)
+
+
+def switch_costs(switches: List[dict]) -> List[float]:
+  """The measured costs of `switches` (those whose next mode was observed)."""
+  return [s["cost_s"] for s in switches if s.get("cost_s") is not None]
+
+
+def account_switch(switch: dict, stay_info: dict) -> None:
+  """Fills in `switch` (a decision, with `decided_unix` and `returned_unix`, when the stay that
+  decided had ended) from the next stay's `stay_info`: its cost, from the decision to the start
+  of the next mode's first observed interval, and where that time went."""
+  begin, first = stay_info.get("train_begin_unix"), stay_info.get("first_interval_end_unix")
+  if begin is None or first is None or switch.get("decided_unix") is None:
+    return  # the next stay ended before its first observation: no measured cost
+  decided = switch["decided_unix"]
+  switch["cost_s"] = first - decided
+  breakdown = {
+      # Ending the stay: its checkpoint and its processes' exit.
+      "end_stay_s": switch["returned_unix"] - decided,
+      # Process start, TensorFlow import, cluster, model build and restore.
+      "start_s": begin - switch["next_call_unix"],
+      # Tracing and the first interval of steps (not an observation).
+      "first_interval_s": first - begin}
+  if switch.get("checkpoint_begin_unix") is not None:  # a Sync stay reports these three
+    breakdown["to_checkpoint_s"] = switch["checkpoint_begin_unix"] - decided
+    breakdown["checkpoint_s"] = switch["saved_unix"] - switch["checkpoint_begin_unix"]
+    breakdown["exit_s"] = switch["returned_unix"] - switch["saved_unix"]
+  switch["cost_breakdown_s"] = breakdown
 
 
 def validate(config: TrainConfig) -> None:
@@ -66,9 +101,11 @@ class AutoWatch(keras.callbacks.Callback):
     self._log = log
     self._last = None
     self._t0 = None
+    self.first_interval_end_unix = None
+    self.train_begin_unix = None
 
   def on_train_begin(self, logs=None):
-    self._t0 = time.time()
+    self._t0 = self.train_begin_unix = time.time()
 
   def on_epoch_end(self, epoch, logs=None):
     now = time.time()
@@ -77,23 +114,23 @@ class AutoWatch(keras.callbacks.Callback):
     own = np.array([stragglers_lib.in_step_seconds(w) for w in workers], np.float64)
     last, self._last = self._last, (now, steps, own)
     if last is None:
+      self.first_interval_end_unix = now
+      self.policy.started(now)
       return  # the first interval pays for tracing and start-up: not an observation
     dt = max(now - last[0], 1e-9)
     d_steps, d_own = steps - last[1], own - last[2]
     # A worker that finished no step in the interval has been in one for at least its length.
     times = np.where(d_steps > 0, d_own / np.maximum(d_steps, 1.0), dt)
     trained_s = now - self._t0
-    decision = self.policy.observe(trained_s, times)
     qps = float(d_steps.sum()) * self.policy.local_batch_size / dt
+    decision = self.policy.observe(trained_s, times, qps)
     self.timeline.append({"trained_s": trained_s, "unix": now, "qps": qps,
-                          "steps": int(steps.sum())})
+                          "start_unix": last[0], "steps": int(steps.sum())})
     if decision is not None:
       decision["at_step"] = int(steps.sum())
       self.decision = decision
       self.skip_evaluation = True
-      self._log(f"auto: switching gba -> sync: predicted gain {decision['predicted_gain']:.2f} < "
-                f"{decision['threshold']:.2f}; per-worker step seconds "
-                + " ".join(f"{x:.3f}" for x in decision["per_worker_step_seconds"]))
+      self._log(auto_policy.describe(decision))
       self.model.stop_training = True
 
 
@@ -106,16 +143,25 @@ def run(config: TrainConfig) -> dict:
 
   validate(config)
   policy_cfg = policy_config(config)
-  base = dataclasses.replace(config, input="sharded", global_batch_size=None)
-  print(f"tf_gba: mode=auto: starts in sync; to gba at a predicted gain >= "
-        f"{policy_cfg.enter_gba:.2f}, back below {policy_cfg.leave_gba:.2f}, after "
-        f"{policy_cfg.dwell_s:g} s in a mode and {policy_cfg.confirm} agreeing observation(s); "
-        "input: static shards", flush=True)
+  # Without a straggler profile the workers' steps would carry no timing op: time them anyway
+  # (no slowdown), the policy's input.
+  profile = stragglers_lib.parse(config.stragglers)
+  stay_profile = config.stragglers if profile != "none" else stragglers_lib.timed(profile)
+  base = dataclasses.replace(config, input="sharded", global_batch_size=None,
+                             stragglers=stay_profile)
+  print(f"tf_gba: mode=auto: starts in sync; to gba at an expected gain >= "
+        f"{policy_cfg.enter_gba:.2f}, back below {policy_cfg.leave_gba:.2f}, when the time saved "
+        f"over {policy_cfg.horizon:g} s exceeds a switch's cost (first estimate "
+        f"{policy_cfg.switch_cost_s:g} s), after {policy_cfg.dwell_s:g} s in a mode and "
+        f"{policy_cfg.confirm} agreeing observation(s); efficiencies before a first stay: sync "
+        f"{policy_cfg.sync_efficiency:g}, gba {policy_cfg.gba_efficiency:g}"
+        f"{'' if policy_cfg.learn_efficiency else ' (held)'}; input: static shards", flush=True)
   t_start = time.time()
   remaining = config.steps
   mode = auto_policy.SYNC
   done_steps = 0
   stays, switches, timeline = [], [], []
+  efficiency = policy_cfg.initial_efficiency()
   summary = None
   while remaining > 0:
     stay = dataclasses.replace(base, mode=mode, steps=remaining)
@@ -123,22 +169,41 @@ def run(config: TrainConfig) -> dict:
       # Sync's progress lines come every log_every global steps (N worker steps each): observe
       # both modes over about the same number of worker steps.
       stay = dataclasses.replace(stay, log_every=max(1, config.log_every // config.num_workers))
+    policy = auto_policy.AutoPolicy(policy_cfg, mode, config.local_batch_size, efficiency,
+                                    switch_costs(switches),
+                                    switches[-1]["decided_unix"] if switches else None)
     stay_t0 = time.time()
+    if switches and "next_call_unix" not in switches[-1]:
+      switches[-1]["next_call_unix"] = stay_t0
     if mode == auto_policy.SYNC:
       preflight.write_metadata(stay)
-      summary = sync_job.run_sync(stay, auto=dataclasses.asdict(policy_cfg))
-      info = summary.get("auto") or {}
+      summary = sync_job.run_sync(stay, auto=policy.to_dict())
+      info = dict(summary.get("auto") or {})
       decision, points = info.get("decision"), info.get("timeline", [])
+      observations = info.get("observations", [])
     else:
-      watch = AutoWatch(auto_policy.AutoPolicy(policy_cfg, mode, config.local_batch_size))
+      watch = AutoWatch(policy)
       summary = runner.run_parameter_server(stay, callbacks=[watch])
       decision, points = watch.decision, watch.timeline
+      observations = policy.observations
+      info = {"efficiency": policy.stay_efficiency(), "train_begin_unix": watch.train_begin_unix,
+              "skipped": policy.skipped}
+    returned = time.time()
+    info["first_interval_end_unix"] = points[0]["start_unix"] if points else None
+    if switches and switches[-1]["cost_s"] is None:
+      account_switch(switches[-1], info)
+    stay_efficiency = info.get("efficiency")
+    if policy_cfg.learn_efficiency and stay_efficiency is not None:
+      efficiency = dict(efficiency, **{mode: stay_efficiency})
     trained = int(summary["steps"])
     stays.append({"mode": mode, "start_step": done_steps, "steps": trained,
-                  "start_seconds": stay_t0 - t_start, "seconds": time.time() - stay_t0,
+                  "start_seconds": stay_t0 - t_start, "seconds": returned - stay_t0,
                   "train_seconds": summary["wall_seconds"], "global_qps": summary["global_qps"],
                   "start_global_step": summary["start_global_step"],
-                  "global_step": summary["global_step"]})
+                  "global_step": summary["global_step"],
+                  "efficiency": stay_efficiency, "observations": len(observations),
+                  "skipped_observations": info.get("skipped", 0),
+                  "step_seconds": [o["per_worker_step_seconds"] for o in observations]})
     timeline += [{"seconds": p["unix"] - t_start, "mode": mode, "qps": p["qps"],
                   "step": done_steps + p["steps"]} for p in points]
     if decision is not None:
@@ -146,11 +211,22 @@ def run(config: TrainConfig) -> dict:
           "at_step": done_steps + decision["at_step"],
           # When the policy decided (its last observation), and when the next mode took over.
           "decided_at_seconds": points[-1]["unix"] - t_start if points else None,
-          "at_seconds": time.time() - t_start,
+          "decided_unix": points[-1]["unix"] if points else None,
+          "returned_unix": returned,
+          "checkpoint_begin_unix": info.get("checkpoint_begin_unix"),
+          "saved_unix": info.get("saved_unix"),
+          "at_seconds": returned - t_start,
           "from": decision["from"], "to": decision["to"],
           "predicted_gain": decision["predicted_gain"], "threshold": decision["threshold"],
           "predicted_sync_qps": decision["predicted_sync_qps"],
           "predicted_gba_qps": decision["predicted_gba_qps"],
+          "expected_gain": decision["expected_gain"],
+          "expected_sync_qps": decision["expected_sync_qps"],
+          "expected_gba_qps": decision["expected_gba_qps"],
+          "measured_qps": decision["measured_qps"], "efficiency": decision["efficiency"],
+          "other_efficiency": decision["other_efficiency"], "saved_s": decision["saved_s"],
+          "horizon_s": decision["horizon_s"],
+          "expected_switch_cost_s": decision["switch_cost_s"], "cost_s": None,
           "per_worker_step_seconds": decision["per_worker_step_seconds"],
           "trained_s_in_mode": decision["trained_s"]})
       mode = decision["to"]
@@ -168,6 +244,7 @@ def run(config: TrainConfig) -> dict:
       "train_seconds": sum(s["train_seconds"] for s in stays),
       "global_qps": done_steps * config.local_batch_size / max(wall, 1e-9),
       "switches": switches, "num_switches": len(switches), "stays": stays,
+      "switch_seconds": sum(switch_costs(switches)), "efficiency": efficiency,
       "timeline": timeline, "stragglers": config.stragglers,
       "policy": dataclasses.asdict(policy_cfg)})
   summary_lib.write(config.model_dir, out)
@@ -185,8 +262,14 @@ def print_auto(s: dict) -> None:
                  f"{st['seconds']:.1f} s ({st['train_seconds']:.1f} s training, QPS "
                  f"{st['global_qps']:,.0f})")
   for sw in s["switches"]:
-    lines.append(f"  switch at step {sw['at_step']}: {sw['from']} -> {sw['to']}, predicted gain "
-                 f"{sw['predicted_gain']:.2f} (threshold {sw['threshold']:.2f}), step seconds "
+    cost = ("not measured (the run ended first)" if sw.get("cost_s") is None else
+            f"{sw['cost_s']:.1f} s (" + ", ".join(
+                f"{k[:-2].replace('_', ' ')} {v:.1f}"
+                for k, v in sw["cost_breakdown_s"].items()) + ")")
+    lines.append(f"  switch at step {sw['at_step']}: {sw['from']} -> {sw['to']}, expected gain "
+                 f"{sw['expected_gain']:.2f} (threshold {sw['threshold']:.2f}; model "
+                 f"{sw['predicted_gain']:.2f}), saves {sw['saved_s']:.1f} s > expected cost "
+                 f"{sw['expected_switch_cost_s']:.1f} s; cost {cost}; step seconds "
                  + " ".join(f"{x:.3f}" for x in sw["per_worker_step_seconds"]))
   lines.append("=" * 72)
   print("\n".join(lines), flush=True)

@@ -1,17 +1,38 @@
-"""When `--mode=auto` moves between Sync and GBA: a pure decision rule on measured step times.
+"""When `--mode=auto` moves between Sync and GBA: a pure decision rule on measured step times and
+measured throughput.
 
 Each observation is every worker's own step time (its compute plus its slowdown, without the
-time it spends waiting for others) over the last logging interval. From these the cluster
-simulator's model (`tf_gba.simulate.predicted_qps`) predicts both modes' throughput: Sync is paced
-by the slowest worker of each step, GBA by the sum of the workers' rates. The predicted gain is
-GBA's QPS over Sync's; it is 1 when every worker is equally fast and grows with stragglers.
+time it spends waiting for others) over the last logging interval, and the QPS the job measured
+in that interval. From the step times the cluster simulator's model
+(`tf_gba.simulate.predicted_qps`; the arithmetic below is `tf_gba.simulate.auto`'s, which replays
+this rule) gives both modes' throughput on an ideal cluster: Sync paced by the slowest worker of
+each step, GBA by the sum of the workers' rates. A real cluster reaches a fraction of that, its
+efficiency, which differs between the modes (Sync's all-reduce, GBA's parameter-server round
+trips) and is known only by running them:
 
-  Sync -> GBA   when the gain is at least 1 + margin,
-  GBA  -> Sync  when the gain is below 1 + margin - hysteresis,
+  efficiency of a mode   = measured QPS / its model QPS from the same interval's step times
+  expected QPS, this mode  = its measured QPS (with efficiencies held, `learn_efficiency`
+                             False: its model QPS x its efficiency, as the other's)
+  expected QPS, other mode = its model QPS x its efficiency (the mean over its last stay;
+                             before its first stay `sync_efficiency` / `gba_efficiency`)
+  expected gain            = expected GBA QPS / expected Sync QPS
 
-and only after `confirm` consecutive observations agree and the job has trained at least
-`dwell_s` seconds in its current mode: a switch costs a checkpoint and a new set of processes, so
-a short burst of slow steps, or a gain hovering near the threshold, must not make the job flap.
+The job wants the other mode when
+
+  Sync -> GBA   the expected gain is at least 1 + margin,
+  GBA  -> Sync  the expected gain is below 1 + margin - hysteresis,
+
+and a switch pays when the time it saves over the next stay exceeds what a switch costs (a
+checkpoint, a new set of processes, restore and tracing; measured by the job, before the first
+switch `switch_cost_s`; the mean of the last two measured, the one into this stay included once
+its first interval has ended):
+
+  saved_s = H x (expected QPS of the other mode / expected QPS of this one - 1) > switch cost,
+
+H = max(horizon_s, dwell_s): the next stay trains at least dwell_s seconds, and about horizon_s
+(the time a cluster's state is expected to last). The job switches after `confirm` consecutive
+observations that want the other mode and find that it pays, once it has trained at least
+`dwell_s` seconds in its current mode.
 
 With step times given as per-worker means over an interval ([N]), "the slowest worker of each
 step" becomes the slowest mean: exact for slowdowns that last the interval (a busy machine), an
@@ -20,22 +41,30 @@ slowdowns), which makes the policy slower to leave Sync, never quicker.
 """
 
 import dataclasses
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from tf_gba.simulate import predicted_qps
+from tf_gba.simulate import auto as auto_sim
 
-SYNC = "sync"
-GBA = "gba"
+SYNC = auto_sim.SYNC
+GBA = auto_sim.GBA
+MODES = (SYNC, GBA)
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig:
-  margin: float = 0.3        # Sync -> GBA at a predicted gain >= 1 + margin
+  margin: float = 0.3        # Sync -> GBA at an expected gain >= 1 + margin
   hysteresis: float = 0.15   # GBA -> Sync below 1 + margin - hysteresis
   dwell_s: float = 20.0      # training seconds in a mode before it may be left
   confirm: int = 2           # consecutive observations that must agree
+  # Each mode's measured QPS over its model QPS before its first stay, and whether each stay's
+  # measured efficiency replaces it (False: these values hold throughout).
+  sync_efficiency: float = 1.0
+  gba_efficiency: float = 1.0
+  learn_efficiency: bool = True
+  switch_cost_s: float = 30.0  # a switch's cost until the job has measured one
+  horizon_s: float = 60.0      # the stay over which a switch must pay (at least dwell_s)
 
   def __post_init__(self):
     if not self.margin > 0:
@@ -48,6 +77,15 @@ class PolicyConfig:
       raise ValueError(f"--auto_dwell_s must be >= 0, got {self.dwell_s}.")
     if self.confirm < 1:
       raise ValueError(f"--auto_confirm must be >= 1, got {self.confirm}.")
+    for flag, value in (("--auto_sync_efficiency", self.sync_efficiency),
+                        ("--auto_gba_efficiency", self.gba_efficiency)):
+      if not 0 < value <= 10:
+        raise ValueError(f"{flag} (measured QPS / model QPS before a mode's first stay) must be "
+                         f"in (0, 10], got {value}.")
+    if not self.switch_cost_s >= 0:
+      raise ValueError(f"--auto_switch_cost_s must be >= 0, got {self.switch_cost_s}.")
+    if not self.horizon_s > 0:
+      raise ValueError(f"--auto_horizon_s must be > 0, got {self.horizon_s}.")
 
   @property
   def enter_gba(self) -> float:
@@ -57,41 +95,127 @@ class PolicyConfig:
   def leave_gba(self) -> float:
     return 1.0 + self.margin - self.hysteresis
 
+  @property
+  def horizon(self) -> float:
+    return max(self.horizon_s, self.dwell_s)
+
+  def initial_efficiency(self) -> Dict[str, float]:
+    return {SYNC: self.sync_efficiency, GBA: self.gba_efficiency}
+
+
+# How many of the last measured switch costs the expected cost of the next switch averages.
+COST_MEMORY = 2
+
+
+def expected_switch_cost(config: PolicyConfig, costs: Sequence[float]) -> float:
+  """The mean of the last `COST_MEMORY` measured switch costs; the configured one before any."""
+  costs = list(costs)[-COST_MEMORY:]
+  return float(np.mean(costs)) if costs else config.switch_cost_s
+
 
 class AutoPolicy:
   """The switching rule for one stay in one mode (a switch starts a new job, and a new policy).
 
-  `observe` is called once per logging interval with the seconds trained in this mode so far and
-  the workers' step times; it returns None, or the switch to make as a dict.
+  `efficiency`: each mode's efficiency as the job knows it (measured in its last stay, or the
+  configured value); `costs`: the job's measured switch costs so far; `decided_unix`: when the
+  switch that started this stay was decided (None for the first stay), so that its cost, known at
+  this stay's first observed interval (`started`), counts in this stay's decisions.
+  `observe` is called once per logging interval with the seconds trained in this mode so far, the
+  workers' step times and the measured QPS; it returns None, or the switch to make as a dict.
   """
 
-  def __init__(self, config: PolicyConfig, mode: str, local_batch_size: int):
-    if mode not in (SYNC, GBA):
+  def __init__(self, config: PolicyConfig, mode: str, local_batch_size: int,
+               efficiency: Optional[Dict[str, float]] = None,
+               costs: Sequence[float] = (), decided_unix: Optional[float] = None):
+    if mode not in MODES:
       raise ValueError(f"auto switches between {SYNC!r} and {GBA!r}, got {mode!r}.")
     self.config = config
     self.mode = mode
+    self.other = GBA if mode == SYNC else SYNC
     self.local_batch_size = local_batch_size
+    self.efficiency = dict(config.initial_efficiency(), **(efficiency or {}))
+    self.costs = [float(c) for c in costs]
+    self.decided_unix = decided_unix
     self._agreeing = 0
     self.observations: List[dict] = []
+    self.skipped = 0  # intervals without a usable step time (no step timed)
+
+  @property
+  def switch_cost_s(self) -> float:
+    return expected_switch_cost(self.config, self.costs)
+
+  def started(self, first_interval_end_unix: float) -> None:
+    """This stay's first interval (start-up, tracing) ended: the switch into it is measured."""
+    if self.decided_unix is not None:
+      self.costs.append(first_interval_end_unix - self.decided_unix)
+      self.decided_unix = None
+
+  def to_dict(self) -> dict:
+    """What a process that evaluates this policy elsewhere needs (`from_dict`)."""
+    return {"config": dataclasses.asdict(self.config), "mode": self.mode,
+            "local_batch_size": self.local_batch_size, "efficiency": self.efficiency,
+            "costs": self.costs, "decided_unix": self.decided_unix}
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "AutoPolicy":
+    return cls(PolicyConfig(**d["config"]), d["mode"], d["local_batch_size"], d["efficiency"],
+               d["costs"], d["decided_unix"])
 
   def wants_other_mode(self, gain: float) -> bool:
     if self.mode == SYNC:
       return gain >= self.config.enter_gba
     return gain < self.config.leave_gba
 
-  def observe(self, trained_s: float, step_seconds) -> Optional[dict]:
+  def stay_efficiency(self) -> Optional[float]:
+    """This stay's efficiency: the mean of its observations' (None before any)."""
+    if not self.observations:
+      return None
+    return float(np.mean([o["efficiency"] for o in self.observations]))
+
+  def observe(self, trained_s: float, step_seconds, measured_qps: float) -> Optional[dict]:
     times = np.asarray(step_seconds, np.float64)
-    prediction = predicted_qps(times, self.local_batch_size)
-    gain = prediction["gain"]
-    self._agreeing = self._agreeing + 1 if self.wants_other_mode(gain) else 0
+    if times.size == 0 or not np.all(np.isfinite(times) & (times > 0)) or not measured_qps > 0:
+      # No step timed in the interval (nothing to predict from): not an observation.
+      self.skipped += 1
+      return None
+    # Efficiencies held (not learned): the current mode too is its model QPS times its own.
+    e = auto_sim.expected_qps(times, self.local_batch_size, self.mode,
+                              measured_qps if self.config.learn_efficiency else None,
+                              self.efficiency)
+    model_qps, expected, gain = e["model"], e["expected"], e["gain"]
+    saved_s = auto_sim.saved_seconds(expected, self.mode, self.config.horizon)
+    wants, pays = self.wants_other_mode(gain), saved_s > self.switch_cost_s
+    self._agreeing = self._agreeing + 1 if wants and pays else 0
     per_worker = times if times.ndim == 1 else times.mean(axis=0)
-    record = {"trained_s": float(trained_s), "mode": self.mode, "predicted_gain": gain,
-              "predicted_sync_qps": prediction["sync_qps"],
-              "predicted_gba_qps": prediction["gba_qps"],
+    record = {"trained_s": float(trained_s), "mode": self.mode,
+              "measured_qps": float(measured_qps),
+              "efficiency": float(measured_qps) / model_qps[self.mode],
+              # The model's gain from the step times alone (what the simulator predicts).
+              "predicted_gain": e["model_gain"],
+              "predicted_sync_qps": model_qps[SYNC], "predicted_gba_qps": model_qps[GBA],
+              "expected_sync_qps": expected[SYNC], "expected_gba_qps": expected[GBA],
+              "expected_gain": gain,
+              "other_efficiency": self.efficiency[self.other],
+              "saved_s": saved_s, "switch_cost_s": self.switch_cost_s,
+              "horizon_s": self.config.horizon, "wants": wants, "pays": pays,
               "per_worker_step_seconds": [float(x) for x in per_worker]}
     self.observations.append(record)
     if self._agreeing < self.config.confirm or trained_s < self.config.dwell_s:
       return None
-    return dict(record, **{"from": self.mode, "to": GBA if self.mode == SYNC else SYNC,
+    return dict(record, **{"from": self.mode, "to": self.other,
                            "threshold": (self.config.enter_gba if self.mode == SYNC
                                          else self.config.leave_gba)})
+
+
+def describe(decision: dict) -> str:
+  """The log line of a decision."""
+  op = ">=" if decision["from"] == SYNC else "<"
+  return (f"auto: switching {decision['from']} -> {decision['to']}: expected gain "
+          f"{decision['expected_gain']:.2f} {op} {decision['threshold']:.2f} (GBA "
+          f"{decision['expected_gba_qps']:,.0f} vs Sync {decision['expected_sync_qps']:,.0f} "
+          f"QPS; {decision['to']} at efficiency {decision['other_efficiency']:.2f} of its model, "
+          f"{decision['from']} measured at {decision['efficiency']:.2f}); saves "
+          f"{decision['saved_s']:.1f} s over {decision['horizon_s']:g} s > switch cost "
+          f"{decision['switch_cost_s']:.1f} s; model gain {decision['predicted_gain']:.2f}, "
+          "per-worker step seconds "
+          + " ".join(f"{x:.3f}" for x in decision["per_worker_step_seconds"]))

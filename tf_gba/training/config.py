@@ -107,6 +107,14 @@ class TrainConfig:
   auto_hysteresis: float = 0.15
   auto_dwell_s: float = 20.0
   auto_confirm: int = 2
+  # Each mode's measured / model QPS before its first stay (replaced by each stay's measured one
+  # unless auto_learn_efficiency is off); a switch's cost before one is measured; the time over
+  # which a switch must pay for itself (at least auto_dwell_s).
+  auto_sync_efficiency: float = 1.0
+  auto_gba_efficiency: float = 1.0
+  auto_learn_efficiency: bool = True
+  auto_switch_cost_s: float = 30.0
+  auto_horizon_s: float = 60.0
   # ShadowSync's elastic alpha (every rule); S-BMUF's step size eta, block momentum and Nesterov;
   # ASGD without gradient delay's maximal staleness tau and algorithm (1, or 2: cycles of tau/2);
   # a delay injected into every sync or merge (tests and benchmarks of background syncing).

@@ -234,9 +234,11 @@ register(Mode(
     help="starts in sync and switches between sync and gba from the measured step times "
          "(--auto_*; tf_gba/training/auto_policy.py)",
     run=lazy("tf_gba.training.auto_job:run"), num_aggregate=_m_global_over_local,
-    flags=_COMMON | {"auto_margin", "auto_hysteresis", "auto_dwell_s", "auto_confirm"},
+    flags=_COMMON | {"auto_margin", "auto_hysteresis", "auto_dwell_s", "auto_confirm",
+                     "auto_sync_efficiency", "auto_gba_efficiency", "auto_learn_efficiency",
+                     "auto_switch_cost_s", "auto_horizon_s"},
     summary_fields=("final_mode", "train_seconds", "switches", "num_switches", "stays",
-                    "timeline", "policy")))
+                    "timeline", "policy", "efficiency", "switch_seconds")))
 
 # ShadowSync and asynchronous SGD without gradient delay: embeddings on the parameter servers
 # (updated asynchronously), dense replicas trained on each worker (tf_gba/training/shadow_job.py).

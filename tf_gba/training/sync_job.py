@@ -117,7 +117,7 @@ def build_and_restore(cfg: TrainConfig, strategy, info=None):
 def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
   """Trains on this worker (one process of a MultiWorkerMirroredStrategy cluster).
 
-  With `auto` (`--mode=auto`: `tf_gba.training.auto_policy.PolicyConfig` as a dict), the workers
+  With `auto` (`--mode=auto`: `tf_gba.training.auto_policy.AutoPolicy.to_dict()`), the workers
   gather their step times at every progress line and stop together, checkpointing, when the
   policy decides to switch to GBA; the chief's result then holds `auto` (the observations and the
   decision). `stop_file`: a path whose existence, checked by every worker at each progress line,
@@ -280,11 +280,11 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
   if auto is not None:
     # Imported here: the policy imports the simulator, which the plain sync mode does not need.
     from tf_gba.training import auto_policy  # pylint: disable=g-import-not-at-top
-    policy = auto_policy.AutoPolicy(auto_policy.PolicyConfig(**auto), auto_policy.SYNC,
-                                    cfg.local_batch_size)
+    policy = auto_policy.AutoPolicy.from_dict(auto)
   decision = None
   timeline = []
   own_last = None  # (steps, busy + delay seconds) of this worker at the last progress line
+  last_unix = None  # the chief's clock at the last progress line (an interval's start)
 
   writer = (tf.summary.create_file_writer(os.path.join(cfg.model_dir, "tensorboard"))
             if is_chief else None)
@@ -303,6 +303,7 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
   last_eval = 0
   logged = 0
   begin = time.perf_counter()
+  begin_unix = time.time()  # --mode=auto's account of a switch: when training started
   interval_begin = begin
   warm = None  # (time, global steps) after the first interval: tracing and start-up excluded
   # Every worker saves (MultiWorkerMirroredStrategy may need them all to take part); only the
@@ -352,21 +353,23 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
       own = _step_stats()
       own_now = (own["steps"], stragglers_lib.in_step_seconds(own))
       # The chief's clock for every worker: the decision must be the same everywhere.
+      # The chief's clock and QPS too: the decision must be the same everywhere.
       rows = gather([own_now[0] - (own_last or own_now)[0], own_now[1] - (own_last or own_now)[1],
-                     now - begin])
+                     now - begin, qps, time.time()])
       if own_last is not None:  # the first interval pays for tracing: not an observation
         trained_s = float(rows[0, 2])
-        decision = policy.observe(trained_s, rows[:, 1] / np.maximum(rows[:, 0], 1.0))
-        timeline.append({"trained_s": trained_s, "unix": time.time(), "qps": qps,
-                         "steps": step * num_workers})
+        decision = policy.observe(trained_s, rows[:, 1] / np.maximum(rows[:, 0], 1.0),
+                                  float(rows[0, 3]))
+        timeline.append({"trained_s": trained_s, "unix": float(rows[0, 4]), "qps": qps,
+                         "start_unix": last_unix, "steps": step * num_workers})
         if decision is not None:
           decision["at_step"] = step * num_workers
-          log(f"auto: switching sync -> gba: predicted gain {decision['predicted_gain']:.2f} >= "
-              f"{decision['threshold']:.2f}; per-worker step seconds "
-              + " ".join(f"{x:.3f}" for x in decision["per_worker_step_seconds"]))
+          log(auto_policy.describe(decision))
           total = step
           break
-      own_last = own_now
+      if own_last is None:
+        policy.started(float(rows[0, 4]))  # the switch into this stay ends here (auto_job)
+      own_last, last_unix = own_now, float(rows[0, 4])
     if writer is not None:
       with writer.as_default(step=step * num_workers):
         tf.summary.scalar("train/loss", final_loss)
@@ -390,6 +393,7 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
   global_step = int(optimizer.iterations.numpy())
   digest = _digest(list(model.weights) + list(optimizer.variables))
 
+  checkpoint_begin_unix = time.time()
   saved = save(global_step)
   if scratch:
     shutil.rmtree(scratch, ignore_errors=True)
@@ -406,7 +410,9 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
   }
   if policy is not None:
     result["auto"] = {"decision": decision, "observations": policy.observations,
-                      "timeline": timeline}
+                      "timeline": timeline, "skipped": policy.skipped,
+                      "efficiency": policy.stay_efficiency(), "train_begin_unix": begin_unix,
+                      "checkpoint_begin_unix": checkpoint_begin_unix, "saved_unix": time.time()}
   if resume is not None:
     result.update(target_global_step=resume.target_global_step, restarts=resume.restarts,
                   restart_causes=resume.restart_causes, steps_redone=resume.steps_redone,

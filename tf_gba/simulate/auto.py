@@ -1,0 +1,84 @@
+"""`--mode=auto`'s decisions replayed on given step times, with measured efficiencies and a
+switch cost: what the job would decide, and what its run would cost, without running it.
+
+`expected_qps` and `saved_seconds` are the arithmetic of `tf_gba.training.auto_policy` (which
+uses them): a mode's expected QPS is its model QPS (`predicted_qps`) times its efficiency, the
+current mode's is what it measured. `replay` walks a sequence of logging intervals (each a
+vector of the workers' own step times, `interval_s` seconds of training) through the same rule:
+the current mode's measured QPS is its model QPS times its efficiency, the first interval of each
+stay is not an observation (start-up), and a switch stops training for `switch_cost_s` seconds.
+Intervals are on the workers' training clock (a trace's clock, which a switch does not advance).
+"""
+
+import dataclasses
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from tf_gba.simulate.cluster import predicted_qps
+
+SYNC = "sync"
+GBA = "gba"
+
+
+def other_mode(mode: str) -> str:
+  return GBA if mode == SYNC else SYNC
+
+
+def expected_qps(step_seconds, local_batch_size: int, mode: str, measured_qps: float,
+                 efficiency: Dict[str, float]) -> dict:
+  """Both modes' expected QPS while training in `mode`: its own measured (model QPS times its
+  efficiency if `measured_qps` is None: efficiencies held), the other's model QPS times its
+  efficiency; with the model's QPS and gain (`predicted_qps`)."""
+  model = predicted_qps(step_seconds, local_batch_size)
+  model_qps = {SYNC: model["sync_qps"], GBA: model["gba_qps"]}
+  other = other_mode(mode)
+  own = model_qps[mode] * efficiency[mode] if measured_qps is None else float(measured_qps)
+  expected = {mode: own, other: model_qps[other] * efficiency[other]}
+  return {"model": model_qps, "model_gain": model["gain"], "expected": expected,
+          "gain": expected[GBA] / expected[SYNC]}
+
+
+def saved_seconds(expected: Dict[str, float], mode: str, horizon_s: float) -> float:
+  """Seconds saved by training `horizon_s` seconds' worth of the other mode's examples there
+  instead of in `mode`: horizon x (other's QPS / this one's - 1) (negative if slower)."""
+  return horizon_s * (expected[other_mode(mode)] / expected[mode] - 1.0)
+
+
+@dataclasses.dataclass
+class Replay:
+  decisions: List[dict]      # each: interval, from, to, expected gain, saved_s
+  modes: List[str]           # the mode each interval trained in
+  seconds: float             # training plus switches
+  examples: float
+
+
+def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
+           efficiency: Dict[str, float], switch_cost_s: float, *, margin: float = 0.3,
+           hysteresis: float = 0.15, dwell_s: float = 20.0, confirm: int = 2,
+           horizon_s: float = 60.0, start: str = SYNC) -> Replay:
+  """Replays `--mode=auto` over intervals of per-worker step times ([intervals, N])."""
+  horizon = max(horizon_s, dwell_s)
+  mode, in_mode, agreeing, first = start, 0.0, 0, True
+  decisions, modes = [], []
+  seconds = examples = 0.0
+  for i, times in enumerate(np.asarray(step_seconds, np.float64)):
+    model = predicted_qps(times, local_batch_size)
+    qps = model[f"{mode}_qps"] * efficiency[mode]
+    modes.append(mode)
+    seconds += interval_s
+    examples += qps * interval_s
+    in_mode += interval_s
+    if first:  # start-up and tracing: not an observation
+      first = False
+      continue
+    e = expected_qps(times, local_batch_size, mode, qps, efficiency)
+    saved = saved_seconds(e["expected"], mode, horizon)
+    wants = e["gain"] >= 1 + margin if mode == SYNC else e["gain"] < 1 + margin - hysteresis
+    agreeing = agreeing + 1 if wants and saved > switch_cost_s else 0
+    if agreeing >= confirm and in_mode >= dwell_s:
+      decisions.append({"interval": i, "from": mode, "to": other_mode(mode),
+                        "expected_gain": e["gain"], "saved_s": saved})
+      mode, in_mode, agreeing, first = other_mode(mode), 0.0, 0, True
+      seconds += switch_cost_s
+  return Replay(decisions, modes, seconds, examples)
