@@ -50,8 +50,7 @@ def _sim_config(args, n: int, seed: int, day: int, steps: int, local_batch: int)
                    gba_num_aggregate=args.num_aggregate, bsp_aggregate=args.bsp_aggregate,
                    hop_bs_bound=args.hop_bs_bound, hop_bw_backup=args.hop_bw_backup,
                    delay_after_push=args.delay_after_push, work_ms=args.work_ms,
-                   **({"ps_service": args.ps_service} if getattr(args, "ps_service", None)
-                      else {}))
+                   ps_push_ms=args.ps_push_ms, ps_apply_ms=args.ps_apply_ms)
 
 
 class Chains:
@@ -218,6 +217,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--hop_bw_backup", type=int, default=None, help="b3 (default round(N/5))")
   p.add_argument("--delay_after_push", action="store_true")
   p.add_argument("--work_ms", type=float, default=10.0)
+  p.add_argument("--ps_push_ms", type=float, default=0.0,
+                 help="PS service time of one push (gba, async, bsp)")
+  p.add_argument("--ps_apply_ms", type=float, default=0.0,
+                 help="PS service time of one aggregation + apply")
   p.add_argument("--data", default="synthetic",
                  help="'synthetic', 'movielens100k:<dir>' or 'criteo:<file or dir>'")
   p.add_argument("--data_options", default=None)
