@@ -3,6 +3,7 @@
   python -m benchmarks.simulate [--num_workers=8,16,...,1024] [--num_ps=1] [--steps=1000]
                                 [--modes=sync,async,gba,bsp,hop_bs,hop_bw] [--stragglers=paper]
                                 [--compute_ms=100] [--pull_ms=5] [--push_ms=5] [--latency_ms=0.5]
+                                [--ps_push_ms=0] [--ps_apply_ms=0]
                                 [--plots=docs/img] [--out=runs/bench_simulate]
 
 `--stragglers` takes the names of benchmarks/mode_qps.py's profiles (none, transient, dedicated),
@@ -98,6 +99,11 @@ def main(argv=None):
                  help="slowdowns after the push, as the project's injected stragglers (GBA>StepEnd)")
   p.add_argument("--work_ms", type=float, default=10.0,
                  help="with --delay_after_push: the real work before the push")
+  p.add_argument("--ps_push_ms", type=float, default=0.0,
+                 help="PS service time of one push, whole model (gba, async, bsp; "
+                      "benchmarks/ps_service.py measures it); 0: the PS's work is not modelled")
+  p.add_argument("--ps_apply_ms", type=float, default=0.0,
+                 help="PS service time of one aggregation + apply, whole model")
   p.add_argument("--plots", default=None, help="folder for the PNG plots vs N (none if unset)")
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_simulate"))
   p.add_argument("--dry_run", action="store_true",
@@ -123,7 +129,8 @@ def main(argv=None):
                              gba_num_aggregate=args.num_aggregate,
                              bsp_aggregate=args.bsp_aggregate, hop_bs_bound=args.hop_bs_bound,
                              hop_bw_backup=args.hop_bw_backup,
-                             delay_after_push=args.delay_after_push, work_ms=args.work_ms)
+                             delay_after_push=args.delay_after_push, work_ms=args.work_ms,
+                             ps_push_ms=args.ps_push_ms, ps_apply_ms=args.ps_apply_ms)
     except ValueError as e:
       p.error(str(e))
   if args.dry_run:

@@ -34,6 +34,7 @@ those aggregated with a non-zero weight.
 """
 
 import dataclasses
+import heapq
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -47,6 +48,10 @@ from tf_gba.ops import gba_ops
 from tf_gba.simulate import logic
 
 MODES = ("sync", "async", "gba", "bsp", "hop_bs", "hop_bw")
+# Modes whose pushes queue on the parameter servers when their service times are set: those
+# whose buffers count every push (count_dropped, divide by M), so that every M-th push in
+# arrival order completes a global batch.
+_QUEUED = ("gba", "async", "bsp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +79,17 @@ class SimConfig:
   # the worker is free again max(that, compute) x factor after the step began.
   delay_after_push: bool = False
   work_ms: float = 10.0
+  # The parameter servers' service time of one push and of one aggregation + apply (whole model,
+  # all P servers together; benchmarks/ps_service.py measures them from the real ops).
+  ps_push_ms: float = 0.0
+  ps_apply_ms: float = 0.0
 
   def __post_init__(self):
     for name in ("num_workers", "num_ps", "steps", "local_batch_size"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-    for name in ("compute_ms", "pull_ms", "push_ms", "latency_ms", "work_ms"):
+    for name in ("compute_ms", "pull_ms", "push_ms", "latency_ms", "work_ms", "ps_push_ms",
+                 "ps_apply_ms"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
     if self.iota < 0:
@@ -95,6 +105,11 @@ class SimConfig:
       raise ValueError(f"hop_bw_backup (b3) must be in [0, num_workers - 1] = "
                        f"[0, {self.num_workers - 1}], got {b3}.")
     stragglers_lib.parse(self.stragglers)  # a bad profile fails here, with its message
+
+  @property
+  def ps_service(self) -> bool:
+    """Whether the parameter servers' own work is modelled (a queue per PS)."""
+    return self.ps_push_ms > 0 or self.ps_apply_ms > 0
 
   @property
   def b2(self) -> int:
@@ -157,6 +172,7 @@ class _Durations:
 
   def __init__(self, config: SimConfig):
     self._profile = stragglers_lib.parse(config.stragglers)
+    self.profile_parts = [x for x in self._profile.replace(";", "+").split("+") if x]
     self._seed = int(config.seed)
     _, floor = self.factors(np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1))
     p = config.num_ps
@@ -275,6 +291,80 @@ def _free_running(config: SimConfig, dur: _Durations, barrier_bound: Optional[in
         return ev
       check_at = s + max(1, s // 8)
     prev_end = end
+
+
+class _FactorCache:
+  """Slowdown factors of every worker for blocks of steps, drawn on first use (one op call per
+  block; profiles with a trace depend on the start time and are drawn one step at a time)."""
+
+  def __init__(self, dur: _Durations, n: int, block: int = 64):
+    self._dur, self._n, self._block = dur, n, block
+    self._timed = any(part.startswith("trace") for part in dur.profile_parts)
+    self._blocks: Dict[int, np.ndarray] = {}
+
+  def __call__(self, worker: int, step: int, start: float) -> float:
+    if self._timed:
+      f, _ = self._dur.factors([worker], [step], [start])
+      return float(f[0])
+    b = step // self._block
+    if b not in self._blocks:
+      steps = np.repeat(np.arange(b * self._block, (b + 1) * self._block), self._n)
+      workers = np.tile(np.arange(self._n), self._block)
+      f, _ = self._dur.factors(workers, steps, np.zeros(steps.size))
+      self._blocks[b] = f.reshape(self._block, self._n)
+    return float(self._blocks[b][step % self._block, worker])
+
+
+def _queued_free_running(config: SimConfig, dur: _Durations, num_aggregate: int) -> Events:
+  """Free-running workers whose pushes queue on the parameter servers (`ps_push_ms`,
+  `ps_apply_ms`): served in arrival order, the M-th push of a global batch also aggregates and
+  applies; a worker starts its next step when its push returns."""
+  n, target = config.num_workers, config.steps * config.num_workers
+  p = config.num_ps
+  push_service = config.ps_push_ms * 1e-3 / p
+  apply_service = config.ps_apply_ms * 1e-3 / p
+  factors = _FactorCache(dur, n)
+  rows = {k: [] for k in ("worker", "index", "start", "finish", "ready", "end")}
+  step_of = [0] * n
+  start_of = [0.0] * n
+  compute_of = [0.0] * n   # the step's slowdown-scaled compute
+
+  def begin(w: int, t: float):
+    f = factors(w, step_of[w], t)
+    start_of[w] = t
+    compute_of[w] = dur.compute * f
+    if dur.after_push:
+      return t + dur.pull + dur.work + dur.push
+    return t + dur.pull + dur.compute * f + dur.push
+
+  heap = [(begin(w, 0.0), w) for w in range(n)]
+  heapq.heapify(heap)
+  ps_free = 0.0
+  served = 0
+  while served < target:
+    arrival, w = heapq.heappop(heap)
+    served += 1
+    finish = max(arrival, ps_free) + push_service
+    if served % num_aggregate == 0:
+      finish += apply_service
+    ps_free = finish
+    start = start_of[w]
+    # The slowdown after the push (injected stragglers): free once the padded step is over.
+    end = max(finish, start + compute_of[w]) if dur.after_push else finish
+    for key, value in (("worker", w), ("index", step_of[w]), ("start", start),
+                       ("finish", finish), ("ready", start), ("end", end)):
+      rows[key].append(value)
+    step_of[w] += 1
+    heapq.heappush(heap, (begin(w, end), w))
+  # Steps in flight at the end: started, not yet served (their pushes come after the cut).
+  for arrival, w in heap:
+    for key, value in (("worker", w), ("index", step_of[w]), ("start", start_of[w]),
+                       ("finish", max(arrival, ps_free) + push_service), ("ready", start_of[w]),
+                       ("end", max(arrival, ps_free) + push_service)):
+      rows[key].append(value)
+  return Events(np.asarray(rows["worker"], np.int32), np.asarray(rows["index"], np.int32),
+                np.asarray(rows["start"]), np.asarray(rows["finish"]), None,
+                np.asarray(rows["ready"]), np.asarray(rows["end"]))
 
 
 def _blocked_seconds(ev: Events, end: float) -> float:
@@ -417,6 +507,14 @@ def simulate(mode: str, config: SimConfig) -> SimResult:
   dur = _Durations(config)
   if mode == "sync":
     return _sync(config, dur)
+  if config.ps_service and mode in _QUEUED:
+    cfg = buffer_config(mode, config)
+    ev = _queued_free_running(config, dur, cfg.num_aggregate)
+    return _buffered(mode, config, ev, cfg, tokens_from_generator=True)
+  if config.ps_service:
+    raise ValueError(f"PS service times (ps_push_ms, ps_apply_ms) are modelled for "
+                     f"{', '.join(_QUEUED)} and sync (no PS), not {mode}: leave them at 0 for "
+                     f"{mode}.")
   if mode == "hop_bw":
     return _hop_bw(config, dur)
   bound = config.hop_bs_bound if mode == "hop_bs" else None
