@@ -42,7 +42,8 @@ def _table_devices() -> List[str]:
     return [""]
   strategy = tf.distribute.get_strategy()
   if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
-    num_ps = len(strategy.cluster_resolver.cluster_spec().as_dict().get("ps", ()))
+    # TF internal (no public equivalent: the strategy's cluster_resolver is None here).
+    num_ps = strategy.extended._num_ps  # pylint: disable=protected-access
     return [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(num_ps)]
   raise ValueError(
       f"HashEmbedding cannot live under {type(strategy).__name__}: its table is hosted by this "
