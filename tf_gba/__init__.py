@@ -18,7 +18,8 @@ os.environ["TF_USE_LEGACY_KERAS"] = "1"
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("data", "distribute", "models", "ops", "optimizers", "simulate", "training")
+_SUBPACKAGES = ("data", "distribute", "layers", "models", "ops", "optimizers", "simulate",
+                "training")
 
 
 def __getattr__(name):

@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from tf_gba.ops import adaptive_revision_ops  # noqa: F401  (registers its ops' gradients)
 from tf_gba.ops import gba_ops
+from tf_gba.ops import hash_table_ops  # noqa: F401
 from tf_gba.ops import loader
 from tf_gba.ops import version_barrier  # noqa: F401
 from tf_gba.ops import worker_clock  # noqa: F401

@@ -274,11 +274,18 @@ class DenseBuffer(_Buffer):
 
 
 class SparseBuffer(_Buffer):
-  """Gradient buffer of one embedding table (or shard) with per-row staleness tags."""
+  """Gradient buffer of one embedding table (or shard) with per-row staleness tags.
+
+  keyed=True: the buffer of one hash-table shard (num_rows 0): rows are named by int64 keys, and
+  their tags are those in the table's rows (`push_keyed`).
+  """
 
   def __init__(self, num_rows: int, row_shape, dtype, config: BufferConfig, device: str = "",
-               initial_step: int = 0, name: str = "sparse_buffer"):
+               initial_step: int = 0, name: str = "sparse_buffer", keyed: bool = False):
     super().__init__(dtype, config, device, initial_step, name)
+    if keyed and num_rows:
+      raise ValueError(f"A keyed buffer has no row numbers: num_rows must be 0, got {num_rows}.")
+    self._keyed = bool(keyed)
     self._num_rows = int(num_rows)
     self._row_shape = tf.TensorShape(row_shape)
     if not self._row_shape.is_fully_defined():
@@ -296,7 +303,22 @@ class SparseBuffer(_Buffer):
     return _ops().gba_sparse_buffer_create(
         dtype=self._dtype, num_rows=self._num_rows, row_shape=self._row_shape,
         initial_step=self._initial_step, shared_name=self._shared_name,
-        sparse_normalize=self._config.sparse_normalize, **self._config.attrs())
+        sparse_normalize=self._config.sparse_normalize, keyed=self._keyed,
+        **self._config.attrs())
+
+  @property
+  def keyed(self) -> bool:
+    return self._keyed
+
+  def push_keyed(self, token, ticket, keys, values, table_handle):
+    """Pushes hash-table rows; returns (ready, keys, rows, global_step). See GBA>HashBufferPush.
+
+    `table_handle`: the resource handle of the table shard on this buffer's device.
+    """
+    with tf.device(self._resource_device):
+      return _ops().gba_hash_buffer_push(
+          self.resource_handle, tf.cast(token, tf.int64), tf.cast(ticket, tf.int64),
+          tf.cast(keys, tf.int64), values, table_handle)
 
   def push(self, token, ticket, indices, values):
     """Pushes embedding rows; returns (ready, ids, rows, global_step). See `GBA>SparseBufferPush`."""

@@ -22,7 +22,9 @@ import tf_keras as keras
 
 from tf_gba.common import arguments
 from tf_gba.distribute import step_context
+from tf_gba.layers import hash_embedding
 from tf_gba.ops import gba_ops
+from tf_gba.optimizers import hash_rows
 from tf_gba.optimizers import wrapping
 
 
@@ -103,7 +105,9 @@ class GBA(wrapping.InnerOptimizerDelegation, keras.optimizers.Optimizer):
     * `gba/token_generator/count`: tokens handed out so far (int64);
     * `gba/buffer_<i>/global_step`: aggregates applied to variable i, and for an embedding buffer
       `gba/buffer_<i>/row_tags`: per row of that variable the global step of its last update
-      (-1: never). `i` is the variable's index in the optimizer's variable list (the
+      (-1: never). A HashEmbedding's anchor weight has instead one keyed buffer per table shard,
+      `gba/hash_buffer_<i>_<s>/global_step` (its row tags are in the table's own checkpoint).
+      `i` is the variable's index in the optimizer's variable list (the
       `model.trainable_variables` order, a sharded variable counting once per shard); a buffer is
       made on its variable's first gradient, so a variable that never had one has no entry.
   `GBA.STATE_KEY`, `GBA.TOKENS_KEY` and `GBA.buffer_key(i)` / `GBA.buffer_index(name)` name these;
@@ -193,6 +197,7 @@ class GBA(wrapping.InnerOptimizerDelegation, keras.optimizers.Optimizer):
     self._sparse_keys: set = set()
     self._buffer_order: List[int] = []
     self._local_tokens = None
+    self._hash_optimizer = None  # (kind, hyper-parameters, initial accumulator) of hash rows
 
   # ---- delegation to the inner optimizer -------------------------------------------------------
   @property
@@ -252,6 +257,20 @@ class GBA(wrapping.InnerOptimizerDelegation, keras.optimizers.Optimizer):
       index = self._index_dict[key]
       step = int(self._inner.iterations.numpy())
       config = self.buffer_config()
+      table = hash_embedding.table_of(var)
+      if table is not None:
+        if not sparse:
+          raise ValueError(f"{var.name} (a HashEmbedding's anchor) got a dense gradient: its "
+                           "rows' gradient is IndexedSlices of the layer's ids.")
+        self._hash_optimizer = hash_rows.fused_optimizer(self._inner)
+        buf = hash_rows.HashBuffers(table, config, initial_step=step)
+        for s, shard_buffer in enumerate(buf.buffers):
+          _track(self._gba_state, f"hash_{self.buffer_key(index)}_{s}", shard_buffer)
+        self._sparse_keys.add(key)
+        self._buffers[key] = buf
+        self._variables_by_key[key] = var
+        self._buffer_order.append(key)
+        return buf
       if sparse:
         buf = gba_ops.SparseBuffer(var.shape[0], var.shape[1:], var.dtype, config,
                                    device=var.device, initial_step=step, name="sparse_buffer")
@@ -378,6 +397,8 @@ class GBA(wrapping.InnerOptimizerDelegation, keras.optimizers.Optimizer):
 
   def _push_and_maybe_apply(self, token, ticket, grad, var):
     buf = self._buffer_for(var, grad)
+    if isinstance(buf, hash_rows.HashBuffers):
+      return buf.push_and_maybe_apply(token, ticket, grad, self._apply_hash_aggregate)
     with tf.device(var.device):
       if isinstance(grad, tf.IndexedSlices):
         ready, ids, rows, _ = buf.push(token, ticket, grad.indices, grad.values)
@@ -401,6 +422,16 @@ class GBA(wrapping.InnerOptimizerDelegation, keras.optimizers.Optimizer):
     inner.update_step(aggregate, var)
     if var.constraint is not None:
       var.assign(var.constraint(var))
+
+  def _apply_hash_aggregate(self, aggregate: tf.IndexedSlices, shard):
+    """The table's fused update of an aggregate of hash rows, on the shard's device."""
+    inner = self._inner
+    kind, hyper, initial_accumulator = self._hash_optimizer
+    aggregate = inner._clip_gradients([aggregate])[0]  # pylint: disable=protected-access
+    return shard.apply(aggregate.indices, aggregate.values, kind,
+                       learning_rate=tf.cast(inner.learning_rate, tf.float32),
+                       iteration=inner.iterations, initial_accumulator=initial_accumulator,
+                       **hyper)
 
   def update_step(self, gradient, variable):
     raise NotImplementedError("GBA applies through apply_gradients(); call that instead.")

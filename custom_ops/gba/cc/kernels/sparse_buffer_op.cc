@@ -9,6 +9,11 @@
 // counting as zero rows) or, with sparse_normalize='per_id', by c(id) (the paper's rule).
 // Accumulators exist only for the ids touched in the current global batch (a compact pool indexed
 // through slot_[id]), so the extra memory per row is one int64 tag and one int32 slot.
+//
+// A keyed buffer (keyed=true, for an expandable hash table, SPEC section 6) names rows by int64
+// keys instead of row numbers: its slots are a hash map of the current batch's keys, and each
+// key's tag is the one kept in the table's row (read under the buffer's lock at push time, written
+// by the aggregation), so a hash row is judged exactly as a partitioned row is.
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
@@ -16,7 +21,9 @@
 #include <vector>
 
 #include "custom_ops/common/kernel_util.h"
+#include "absl/container/flat_hash_map.h"
 #include "custom_ops/gba/cc/kernels/buffer_core.h"
+#include "custom_ops/gba/cc/kernels/hash_table.h"
 #include "custom_ops/common/resource_util.h"
 #include "custom_ops/gba/cc/kernels/sparse_buffer_functor.h"
 #include "tensorflow/core/framework/register_types.h"
@@ -35,6 +42,7 @@ class SparseGradientBuffer : public ::tensorflow::ResourceBase {
     DataType dtype;
     int64_t num_rows;
     TensorShape row_shape;
+    bool keyed = false;  // rows named by hash-table keys (num_rows must be 0)
 
     static Status FromAttrs(OpKernelConstruction* ctx, BufferConfig* config, Params* p) {
       std::string sparse_normalize;  // the op's attr lists the choices: TF checks the value
@@ -42,6 +50,11 @@ class SparseGradientBuffer : public ::tensorflow::ResourceBase {
       config->sparse_per_id_divisor = sparse_normalize == "per_id";
       TF_RETURN_IF_ERROR(ctx->GetAttr("dtype", &p->dtype));
       TF_RETURN_IF_ERROR(ctx->GetAttr("num_rows", &p->num_rows));
+      TF_RETURN_IF_ERROR(ctx->GetAttr("keyed", &p->keyed));
+      if (p->keyed && p->num_rows != 0) {
+        return errors::InvalidArgument("A keyed buffer (for a hash table) has no row numbers: "
+                                       "num_rows must be 0, got ", p->num_rows, ".");
+      }
       if (p->num_rows < 0 || p->num_rows >= (int64_t{1} << 31)) {
         return errors::InvalidArgument("num_rows must be in [0, 2^31) per buffer (shard larger "
                                        "tables), got ", p->num_rows, ".");
@@ -59,6 +72,7 @@ class SparseGradientBuffer : public ::tensorflow::ResourceBase {
   SparseGradientBuffer(const Params& params, const BufferConfig& config, int64_t initial_step)
       : dtype_(params.dtype),
         num_rows_(params.num_rows),
+        keyed_(params.keyed),
         row_shape_(params.row_shape),
         row_size_(params.row_shape.num_elements()),
         core_(config, initial_step),
@@ -72,16 +86,19 @@ class SparseGradientBuffer : public ::tensorflow::ResourceBase {
 
   DataType dtype() const { return dtype_; }
   int64_t num_rows() const { return num_rows_; }
+  bool keyed() const { return keyed_; }
   const TensorShape& row_shape() const { return row_shape_; }
   int64_t row_size() const { return row_size_; }
   // Immutable after construction: readable without the lock.
   bool error_on_nonfinite() const { return config_.error_on_nonfinite; }
 
   // Adds the push's rows, each with its id's weight, and, when the push completes the global
-  // batch, writes the aggregate into outputs 1 and 2 (defined below the row pools).
+  // batch, writes the aggregate into outputs 1 and 2 (defined below the row pools). A keyed
+  // buffer reads and writes the tags of `table`'s rows (lock order: buffer, then table).
   template <typename Device, typename T, typename Tindex>
   Status Push(OpKernelContext* ctx, const Tindex* ids, const T* rows, int64_t n, int64_t token,
-              int64_t ticket, bool finite, bool* ready, int64_t* step) TF_LOCKS_EXCLUDED(mu_);
+              int64_t ticket, bool finite, bool* ready, int64_t* step,
+              HashTable* table = nullptr) TF_LOCKS_EXCLUDED(mu_);
 
   // (global step, row tags) for a checkpoint.
   void Export(int64_t* step, int64_t* tags) const TF_LOCKS_EXCLUDED(mu_) {
@@ -121,19 +138,32 @@ class SparseGradientBuffer : public ::tensorflow::ResourceBase {
 
   // The bookkeeping of one push, on the host: each id's slot in the pool and its weight in this
   // push (slot -1: weight 0, nothing to add), the per-id counts and the statistics.
+  // `key_tags`: a keyed buffer's tags of ids[0, n), read from its table; else tags_[id].
   template <typename Tindex, typename Acc>
-  void Bookkeep(const Tindex* ids, int64_t n, int64_t token, bool finite, int32_t* slot_of,
-                Acc* weight_of) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Bookkeep(const Tindex* ids, int64_t n, int64_t token, bool finite,
+                const int64_t* key_tags, int32_t* slot_of, Acc* weight_of)
+      TF_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // The batch slot of id (-1: not in the batch yet), by row number or, keyed, by key.
+  int32_t& SlotOf(int64_t id) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!keyed_) return slot_[id];
+    return keyed_slot_.try_emplace(id, -1).first->second;
+  }
 
   // Writes the aggregate of the completed global batch into outputs 1 and 2 (ids in the order
   // they were first pushed; ids whose every weight was zero left out), tags the aggregated rows
   // with the step k being applied, and clears the batch.
   template <typename Device, typename T, typename Tindex, typename Acc>
-  Status Aggregate(OpKernelContext* ctx, const Acc* pool) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Status Aggregate(OpKernelContext* ctx, const Acc* pool, HashTable* table)
+      TF_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Forgets the current batch's accumulators (after aggregation, or on restore).
   void ClearBatch() TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (const Touched& t : touched_) slot_[t.id] = -1;
+    if (keyed_) {
+      keyed_slot_.clear();
+    } else {
+      for (const Touched& t : touched_) slot_[t.id] = -1;
+    }
     touched_.clear();
     pool_f_.clear();
     pool_d_.clear();
@@ -141,6 +171,7 @@ class SparseGradientBuffer : public ::tensorflow::ResourceBase {
 
   const DataType dtype_;
   const int64_t num_rows_;
+  const bool keyed_;
   const TensorShape row_shape_;
   const int64_t row_size_;
   mutable ::tensorflow::mutex mu_;
@@ -148,6 +179,7 @@ class SparseGradientBuffer : public ::tensorflow::ResourceBase {
   const BufferConfig& config_ = core_.config();  // immutable: no lock needed
   std::vector<int64_t> tags_ TF_GUARDED_BY(mu_);   // last_step per row
   std::vector<int32_t> slot_ TF_GUARDED_BY(mu_);   // index into touched_ for ids of the batch
+  absl::flat_hash_map<int64_t, int32_t> keyed_slot_ TF_GUARDED_BY(mu_);  // the same, keyed
   std::vector<Touched> touched_ TF_GUARDED_BY(mu_);
   std::vector<float> pool_f_ TF_GUARDED_BY(mu_);   // accumulator rows (float, half, bfloat16)
   std::vector<double> pool_d_ TF_GUARDED_BY(mu_);  // accumulator rows (double gradients)
@@ -266,7 +298,7 @@ struct SparseGatherRows<CPUDevice, T, Acc> {
 template <typename Device, typename T, typename Tindex>
 Status SparseGradientBuffer::Push(OpKernelContext* ctx, const Tindex* ids, const T* rows, int64_t n,
                                   int64_t token, int64_t ticket, bool finite, bool* ready,
-                                  int64_t* step) {
+                                  int64_t* step, HashTable* table) {
   using Acc = Accumulator<T>;
   ::tensorflow::mutex_lock lock(mu_);
   // Room in the pool for this push's new ids comes first: when it cannot be allocated, the
@@ -277,7 +309,16 @@ Status SparseGradientBuffer::Push(OpKernelContext* ctx, const Tindex* ids, const
     if (!finite) ++core_.stats().nonfinite;
     std::vector<int32_t> slot_of(n, -1);
     std::vector<Acc> weight_of(n, Acc(0));
-    Bookkeep<Tindex, Acc>(ids, n, token, finite, slot_of.data(), weight_of.data());
+    // Keyed: the tags of the rows as they are now. They change only in this buffer's
+    // aggregation, which needs its lock (held here).
+    std::vector<int64_t> key_tags;
+    if (table != nullptr) {
+      key_tags.resize(n);
+      std::vector<int64_t> keys(ids, ids + n);
+      table->GetTags(keys.data(), n, key_tags.data());
+    }
+    Bookkeep<Tindex, Acc>(ids, n, token, finite, table ? key_tags.data() : nullptr,
+                          slot_of.data(), weight_of.data());
     Acc* pool = RowPool<Device, Acc>::Grow(ctx, this, old_rows,
                                            static_cast<int64_t>(touched_.size()));
     // The rows are added on the device, after the bookkeeping.
@@ -290,7 +331,7 @@ Status SparseGradientBuffer::Push(OpKernelContext* ctx, const Tindex* ids, const
                                                  : (push_weight != 0.0 || config_.count_dropped);
     if (core_.AddEntry(counts)) {
       *ready = true;
-      TF_RETURN_IF_ERROR((Aggregate<Device, T, Tindex, Acc>(ctx, pool)));
+      TF_RETURN_IF_ERROR((Aggregate<Device, T, Tindex, Acc>(ctx, pool, table)));
       core_.FinishAggregation();
     }
   }
@@ -300,7 +341,7 @@ Status SparseGradientBuffer::Push(OpKernelContext* ctx, const Tindex* ids, const
 
 template <typename Tindex, typename Acc>
 void SparseGradientBuffer::Bookkeep(const Tindex* ids, int64_t n, int64_t token, bool finite,
-                                    int32_t* slot_of, Acc* weight_of) {
+                                    const int64_t* key_tags, int32_t* slot_of, Acc* weight_of) {
   const int64_t seq = ++push_seq_;
   // Hop-BW (per_id_staleness = false): one decision for the whole push, from its dense
   // staleness; a push dropped without taking a place in the batch leaves no trace in the
@@ -320,19 +361,20 @@ void SparseGradientBuffer::Bookkeep(const Tindex* ids, int64_t n, int64_t token,
   }
   constexpr int64_t kAhead = 16;  // ids whose slot and tag are fetched ahead (random rows)
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) {
+    if (!keyed_ && i + kAhead < n) {
       __builtin_prefetch(&slot_[ids[i + kAhead]], 1);
       __builtin_prefetch(&tags_[ids[i + kAhead]]);
     }
     const int64_t id = static_cast<int64_t>(ids[i]);
-    int32_t& sl = slot_[id];
+    int32_t& sl = SlotOf(id);
     if (sl < 0) {
       sl = static_cast<int32_t>(touched_.size());
       touched_.push_back({id, 0, 0, -1});
     }
     Touched& t = touched_[sl];
     const int64_t staleness = config_.per_id_staleness
-                                  ? std::max<int64_t>(0, tags_[id] + 1 - token)
+                                  ? std::max<int64_t>(
+                                        0, (key_tags ? key_tags[i] : tags_[id]) + 1 - token)
                                   : push_staleness;
     const double w = config_.per_id_staleness ? (finite ? config_.decay.Weight(staleness) : 0.0)
                                               : push_weight;
@@ -352,7 +394,8 @@ void SparseGradientBuffer::Bookkeep(const Tindex* ids, int64_t n, int64_t token,
 }
 
 template <typename Device, typename T, typename Tindex, typename Acc>
-Status SparseGradientBuffer::Aggregate(OpKernelContext* ctx, const Acc* pool) {
+Status SparseGradientBuffer::Aggregate(OpKernelContext* ctx, const Acc* pool,
+                                       HashTable* table) {
   const bool by_kept = config_.normalize == Normalize::kKept;
   const int64_t m = config_.num_aggregate;
   std::vector<int32_t> order;
@@ -385,7 +428,12 @@ Status SparseGradientBuffer::Aggregate(OpKernelContext* ctx, const Acc* pool) {
   for (int64_t i = 0; i < k; ++i) {
     const int64_t id = touched_[order[i]].id;
     out_ids[i] = static_cast<Tindex>(id);
-    tags_[id] = step;  // the weights of this batch used the tags from before this line
+    if (table == nullptr) tags_[id] = step;  // the weights of this batch used the old tags
+  }
+  if (table != nullptr) {  // the same, in the hash table's rows
+    std::vector<int64_t> keys(k);
+    for (int64_t i = 0; i < k; ++i) keys[i] = touched_[order[i]].id;
+    table->SetTags(keys.data(), k, step);
   }
   // Entries are independent (distinct ids): the device writes the scaled rows in parallel.
   functor::SparseGatherRows<Device, T, Acc>()(ctx->eigen_device<Device>(), pool, row_size_,
@@ -395,7 +443,9 @@ Status SparseGradientBuffer::Aggregate(OpKernelContext* ctx, const Acc* pool) {
   return ::tensorflow::OkStatus();
 }
 
-template <typename Device, typename T, typename Tindex>
+// GBA>SparseBufferPush (kKeyed = false: ids are row numbers) and GBA>HashBufferPush (kKeyed:
+// ids are the keys of the hash table at input 5, whose rows hold the tags).
+template <typename Device, typename T, typename Tindex, bool kKeyed = false>
 class SparseBufferPushOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -403,6 +453,13 @@ class SparseBufferPushOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<SparseGradientBuffer> buf;
     OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &buf));
+    OP_REQUIRES(ctx, buf->keyed() == kKeyed,
+                errors::InvalidArgument(
+                    buf->DebugString(), kKeyed
+                        ? " is not keyed: push hash-table rows to a buffer created with keyed=True."
+                        : " is keyed (hash-table rows): push with GBA>HashBufferPush."));
+    ::tensorflow::core::RefCountPtr<HashTable> table;
+    if (kKeyed) OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 5, "hash table", &table));
     int64_t token, ticket;
     OP_REQUIRES_OK(ctx, ReadTokenAndTicket(ctx, &token, &ticket));
     const Tensor& indices = ctx->input(3);
@@ -423,8 +480,12 @@ class SparseBufferPushOp : public OpKernel {
                                         expected.DebugString(), ", got ",
                                         values.shape().DebugString(), " for ",
                                         buf->DebugString(), "."));
+    OP_REQUIRES(ctx, !kKeyed || buf->row_size() == table->dim(),
+                errors::InvalidArgument("The buffer's rows (", buf->row_shape().DebugString(),
+                                        ") do not match ", kKeyed ? table->DebugString() : "",
+                                        "."));
     const Tindex* ids = indices.vec<Tindex>().data();
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < n && !kKeyed; ++i) {
       const int64_t id = static_cast<int64_t>(ids[i]);
       OP_REQUIRES(ctx, id >= 0 && id < buf->num_rows(),
                   errors::InvalidArgument("indices[", i, "] = ", id, " is out of range [0, ",
@@ -443,7 +504,7 @@ class SparseBufferPushOp : public OpKernel {
     bool ready = false;
     int64_t step_out;
     OP_REQUIRES_OK(ctx, (buf->Push<Device, T, Tindex>(ctx, ids, rows, n, token, ticket, finite,
-                                                      &ready, &step_out)));
+                                                      &ready, &step_out, table.get())));
 
     Tensor* ready_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &ready_t));
@@ -521,6 +582,10 @@ TF_CALL_float(REGISTER_PUSH);
 TF_CALL_double(REGISTER_PUSH);
 #undef REGISTER_PUSH
 #undef REGISTER_PUSH_T_I
+// Hash tables hold float rows.
+REGISTER_KERNEL_BUILDER(
+    Name("GBA>HashBufferPush").Device(::tensorflow::DEVICE_CPU).TypeConstraint<float>("T"),
+    (SparseBufferPushOp<CPUDevice, float, int64_t, true>));
 
 #if GOOGLE_CUDA
 // GPU: the accumulator rows live in GPU memory and the row arithmetic runs there

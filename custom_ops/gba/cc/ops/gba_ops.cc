@@ -157,6 +157,7 @@ REGISTER_OP("GBA>SparseBufferCreate")
     .Attr("num_rows: int")
     .Attr("row_shape: shape")
     .Attr("sparse_normalize: {'num_aggregate', 'per_id'} = 'num_aggregate'")
+    .Attr("keyed: bool = false")
     .GBA_BUFFER_ATTRS
     .SetIsStateful()
     .SetShapeFn(ScalarResource)

@@ -1,0 +1,262 @@
+// Expandable hash embedding table (SPEC section 6): one resource per parameter-server shard,
+// int64 key -> one row holding the embedding [dim], the inner optimizer's slots for that row, GBA's
+// `last_step` tag, the key's training-lookup count and the global step of its latest training
+// lookup. A row's first value depends on (seed, key) only, so every process, shard count and
+// arrival order gives a key the same row.
+//
+// The slots follow the optimizer that applies to the table: none until the first apply (or an
+// import) says which, then SGD 0, Adagrad 1, Adam 2 per row. The layer creates the table before
+// the model is compiled, so the optimizer cannot be an attribute of the creating op; an apply with
+// another optimizer than the rows hold re-lays them out once (slots restart from their initial
+// values).
+//
+// Rows live in fixed-size blocks (never moved once written, no doubling of a contiguous array
+// when the table grows); the key -> row-number index is an absl::flat_hash_map. All state is
+// private and guarded by one mutex: lookups that insert and applies take it exclusively, find-only
+// lookups, exports and tag reads share it.
+#ifndef TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_HASH_TABLE_H_
+#define TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_HASH_TABLE_H_
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "custom_ops/common/kernel_util.h"
+
+namespace tf_gba {
+
+// splitmix64's finaliser: a bijective 64-bit mixer. Shards (mix64(key) mod P) and initial rows
+// are both derived from it, so sequential keys spread evenly.
+inline uint64_t Mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+constexpr uint64_t kGoldenGamma = 0x9E3779B97F4A7C15ULL;  // splitmix64's increment
+
+// The i-th (i >= 1) uniform in [0, 1) of the counter-based stream of (seed, key): 53 bits of
+// Mix64(base + i * gamma), base = Mix64(key + Mix64(seed)). No state: any process computes it.
+inline double KeyUniform(uint64_t base, uint64_t i) {
+  return static_cast<double>(Mix64(base + i * kGoldenGamma) >> 11) * 0x1.0p-53;
+}
+
+inline uint64_t KeyStreamBase(int64_t seed, int64_t key) {
+  return Mix64(static_cast<uint64_t>(key) + Mix64(static_cast<uint64_t>(seed)));
+}
+
+enum class HashOptimizer { kSgd = 0, kAdagrad = 1, kAdam = 2 };
+
+inline int64_t NumSlots(HashOptimizer o) { return static_cast<int64_t>(o); }
+
+struct HashTableConfig {
+  enum Init { kUniform, kNormal, kZeros };
+  int64_t dim = 0;
+  int64_t seed = 0;
+  Init init = kUniform;
+  double init_a = -0.05;  // uniform: minval; normal: mean
+  double init_b = 0.05;   // uniform: maxval; normal: stddev
+
+  // Writes key's initial embedding (dim values). Uniform: a + (b - a) * u_j with u_j the
+  // (j+1)-th uniform; normal: Box-Muller on the uniforms 2j+1 and 2j+2, a + b * z_j.
+  void InitialRow(int64_t key, float* out) const {
+    if (init == kZeros) {
+      std::fill(out, out + dim, 0.0f);
+      return;
+    }
+    const uint64_t base = KeyStreamBase(seed, key);
+    for (int64_t j = 0; j < dim; ++j) {
+      if (init == kUniform) {
+        out[j] = static_cast<float>(init_a + (init_b - init_a) * KeyUniform(base, j + 1));
+      } else {
+        const double u1 = KeyUniform(base, 2 * j + 1), u2 = KeyUniform(base, 2 * j + 2);
+        const double z = std::sqrt(-2.0 * std::log1p(-u1)) * std::cos(2.0 * M_PI * u2);
+        out[j] = static_cast<float>(init_a + init_b * z);
+      }
+    }
+  }
+};
+
+// The optimizer and scalars of one fused apply.
+struct HashApplyArgs {
+  HashOptimizer optimizer = HashOptimizer::kSgd;
+  float initial_accumulator = 0.1f;  // Adagrad's accumulator starts here (Keras' default)
+  float lr = 0.0f;
+  float beta1 = 0.9f, beta2 = 0.999f;
+  float epsilon = 1e-7f;
+  int64_t iteration = 0;  // the optimizer's `iterations` before this step (Adam: t = iteration+1)
+};
+
+class HashTable : public ::tensorflow::ResourceBase {
+ public:
+  explicit HashTable(const HashTableConfig& config) : config_(config), row_floats_(config.dim) {}
+
+  std::string DebugString() const override {
+    return ::tensorflow::strings::StrCat("GBA HashTable(dim=", config_.dim, ")");
+  }
+
+  // Immutable after construction: readable without the lock.
+  const HashTableConfig& config() const { return config_; }
+  int64_t dim() const { return config_.dim; }
+  int64_t num_slots() const TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::tf_shared_lock lock(mu_);
+    return NumSlots(optimizer_);
+  }
+
+  // Training lookup: find-or-insert every key (insert: initial value, zero slots or Adagrad's
+  // initial accumulator, tag -1, frequency 0), then frequency += 1 and last_seen = step, or,
+  // with step < 0, the global step as far as this table knows it (one past the iteration of its
+  // latest apply). out: [n, dim].
+  void LookupOrInsert(const int64_t* keys, int64_t n, int64_t step, float* out)
+      TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::mutex_lock lock(mu_);
+    if (step < 0) step = known_step_;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = FindOrInsertLocked(keys[i]);
+      Meta& m = MetaLocked(r);
+      ++m.frequency;
+      m.last_seen = step;
+      const float* row = RowLocked(r);
+      std::copy(row, row + config_.dim, out + i * config_.dim);
+    }
+  }
+
+  // Evaluation and serving lookup: a missing key gets its initial value; nothing is inserted or
+  // counted.
+  void Find(const int64_t* keys, int64_t n, float* out) const TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::tf_shared_lock lock(mu_);
+    for (int64_t i = 0; i < n; ++i) {
+      float* dst = out + i * config_.dim;
+      auto it = index_.find(keys[i]);
+      if (it == index_.end()) {
+        config_.InitialRow(keys[i], dst);
+      } else {
+        const float* row = RowLocked(it->second);
+        std::copy(row, row + config_.dim, dst);
+      }
+    }
+  }
+
+  // The fused sparse update of the table's optimizer for rows `keys` (duplicates summed first, as
+  // Keras does for IndexedSlices); a key without a row gets one first (initial value). Row-local:
+  // no other row or slot changes (Adam is LazyAdam).
+  void Apply(const int64_t* keys, const float* grads, int64_t n, const HashApplyArgs& a)
+      TF_LOCKS_EXCLUDED(mu_);
+
+  // last_step of every key (-1 for a key without a row: never updated).
+  void GetTags(const int64_t* keys, int64_t n, int64_t* tags) const TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::tf_shared_lock lock(mu_);
+    for (int64_t i = 0; i < n; ++i) {
+      auto it = index_.find(keys[i]);
+      tags[i] = it == index_.end() ? -1 : MetaLocked(it->second).last_step;
+    }
+  }
+
+  // last_step = step for every key (inserting rows that do not exist yet).
+  void SetTags(const int64_t* keys, int64_t n, int64_t step) TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::mutex_lock lock(mu_);
+    for (int64_t i = 0; i < n; ++i) MetaLocked(FindOrInsertLocked(keys[i])).last_step = step;
+  }
+
+  int64_t Size() const TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::tf_shared_lock lock(mu_);
+    return num_rows_;
+  }
+
+  // Bytes the table holds: row blocks (value and slots), per-row tags and counters, and the
+  // index's slots and control bytes.
+  int64_t AllocatedBytes() const TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::tf_shared_lock lock(mu_);
+    const int64_t per_block = kBlockRows * (row_floats_ * sizeof(float) + sizeof(Meta));
+    // The last block is counted whole: its unused rows are allocated too.
+    const int64_t index = static_cast<int64_t>(index_.capacity()) *
+                          (sizeof(std::pair<const int64_t, int64_t>) + 1);
+    return static_cast<int64_t>(blocks_.size()) * per_block + index;
+  }
+
+  struct Snapshot {
+    std::vector<int64_t> keys, tags, frequency, last_seen;
+    std::vector<float> values, slots;  // [n, dim] and [n, num_slots, dim]
+  };
+
+  // Every row, in row-number order (the order of first insertion); s->num_slots says how many
+  // slots each row has.
+  void Export(Snapshot* s, int64_t* num_slots) const TF_LOCKS_EXCLUDED(mu_);
+
+  // Replaces the whole content with `s`, whose rows have `num_slots` slots (0: SGD, 1: Adagrad,
+  // 2: Adam), the table's layout from now on (checkpoint restore). Returns an error, leaving the
+  // table as it was, when a key appears twice.
+  Status Import(const Snapshot& s, int64_t num_slots) TF_LOCKS_EXCLUDED(mu_);
+
+ private:
+  // Rows per block: 16K rows of dim 64 with Adam's two slots are 12 MiB.
+  static constexpr int64_t kBlockShift = 14;
+  static constexpr int64_t kBlockRows = int64_t{1} << kBlockShift;
+
+  struct Meta {
+    int64_t last_step;
+    int64_t frequency;
+    int64_t last_seen;
+  };
+  struct Block {
+    std::unique_ptr<float[]> floats;  // kBlockRows rows of row_floats_ values
+    std::unique_ptr<Meta[]> meta;
+  };
+
+  float* RowLocked(int64_t r) const TF_SHARED_LOCKS_REQUIRED(mu_) {
+    return blocks_[r >> kBlockShift].floats.get() + (r & (kBlockRows - 1)) * row_floats_;
+  }
+  Meta& MetaLocked(int64_t r) const TF_SHARED_LOCKS_REQUIRED(mu_) {
+    return blocks_[r >> kBlockShift].meta[r & (kBlockRows - 1)];
+  }
+
+  // A new row numbered num_rows_ holding key's initial state.
+  int64_t AppendLocked(int64_t key) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t r = num_rows_++;
+    if ((r >> kBlockShift) >= static_cast<int64_t>(blocks_.size())) {
+      Block b;
+      b.floats.reset(new float[kBlockRows * row_floats_]);
+      b.meta.reset(new Meta[kBlockRows]);
+      blocks_.push_back(std::move(b));
+    }
+    float* row = RowLocked(r);
+    config_.InitialRow(key, row);
+    std::fill(row + config_.dim, row + row_floats_, SlotInitLocked());
+    MetaLocked(r) = Meta{-1, 0, -1};
+    return r;
+  }
+
+  float SlotInitLocked() const TF_SHARED_LOCKS_REQUIRED(mu_) {
+    return optimizer_ == HashOptimizer::kAdagrad ? initial_accumulator_ : 0.0f;
+  }
+
+  // Gives every row the slots of `optimizer` (values kept, slots at their initial values).
+  void RelayoutLocked(HashOptimizer optimizer, float initial_accumulator)
+      TF_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  int64_t FindOrInsertLocked(int64_t key) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = index_.find(key);
+    if (it != index_.end()) return it->second;
+    const int64_t r = AppendLocked(key);
+    index_.emplace(key, r);
+    return r;
+  }
+
+  const HashTableConfig config_;
+  mutable ::tensorflow::mutex mu_;
+  HashOptimizer optimizer_ TF_GUARDED_BY(mu_) = HashOptimizer::kSgd;
+  float initial_accumulator_ TF_GUARDED_BY(mu_) = 0.0f;
+  int64_t row_floats_ TF_GUARDED_BY(mu_);  // dim * (1 + slots): the value, then each slot
+  absl::flat_hash_map<int64_t, int64_t> index_ TF_GUARDED_BY(mu_);
+  std::vector<Block> blocks_ TF_GUARDED_BY(mu_);
+  int64_t num_rows_ TF_GUARDED_BY(mu_) = 0;
+  // The global step the table has seen: an apply at iteration k makes it k + 1.
+  int64_t known_step_ TF_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace tf_gba
+
+#endif  // TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_HASH_TABLE_H_

@@ -1,0 +1,424 @@
+// Kernels of the expandable hash embedding table (hash_table.h): create, training and find-only
+// lookups, the fused SGD / Adagrad / LazyAdam apply, size, export and import, and the shard of a
+// key. CPU only: the table is a parameter server's state, read and written by the host.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "custom_ops/common/kernel_util.h"
+#include "custom_ops/common/resource_util.h"
+#include "custom_ops/gba/cc/kernels/hash_table.h"
+
+namespace tf_gba {
+
+void HashTable::Apply(const int64_t* keys, const float* grads, int64_t n,
+                      const HashApplyArgs& a) {
+  const int64_t dim = config_.dim;
+  // Duplicates summed first: one update per distinct key, in the order of first appearance.
+  absl::flat_hash_map<int64_t, int64_t> first;
+  first.reserve(n);
+  std::vector<int64_t> unique_keys;
+  std::vector<float> sum;
+  for (int64_t i = 0; i < n; ++i) {
+    auto ins = first.emplace(keys[i], static_cast<int64_t>(unique_keys.size()));
+    const float* g = grads + i * dim;
+    if (ins.second) {
+      unique_keys.push_back(keys[i]);
+      sum.insert(sum.end(), g, g + dim);
+    } else {
+      float* s = sum.data() + ins.first->second * dim;
+      for (int64_t j = 0; j < dim; ++j) s[j] += g[j];
+    }
+  }
+  // Adam's step size with the bias corrections of step t = iteration + 1 (Keras' and LazyAdam's
+  // alpha), computed once.
+  float alpha = a.lr;
+  if (a.optimizer == HashOptimizer::kAdam) {
+    const double t = static_cast<double>(a.iteration + 1);
+    alpha = static_cast<float>(a.lr * std::sqrt(1.0 - std::pow(a.beta2, t)) /
+                               (1.0 - std::pow(a.beta1, t)));
+  }
+  ::tensorflow::mutex_lock lock(mu_);
+  if (a.optimizer != optimizer_ ||
+      (a.optimizer == HashOptimizer::kAdagrad && num_rows_ == 0 &&
+       a.initial_accumulator != initial_accumulator_)) {
+    RelayoutLocked(a.optimizer, a.initial_accumulator);
+  }
+  known_step_ = std::max(known_step_, a.iteration + 1);
+  for (size_t u = 0; u < unique_keys.size(); ++u) {
+    float* row = RowLocked(FindOrInsertLocked(unique_keys[u]));
+    const float* g = sum.data() + u * dim;
+    switch (a.optimizer) {
+      case HashOptimizer::kSgd:
+        for (int64_t j = 0; j < dim; ++j) row[j] -= a.lr * g[j];
+        break;
+      case HashOptimizer::kAdagrad: {
+        float* acc = row + dim;
+        for (int64_t j = 0; j < dim; ++j) {
+          acc[j] += g[j] * g[j];
+          row[j] -= a.lr * g[j] / std::sqrt(acc[j] + a.epsilon);
+        }
+        break;
+      }
+      case HashOptimizer::kAdam: {
+        float* m = row + dim;
+        float* v = row + 2 * dim;
+        for (int64_t j = 0; j < dim; ++j) {
+          m[j] += (g[j] - m[j]) * (1.0f - a.beta1);
+          v[j] += (g[j] * g[j] - v[j]) * (1.0f - a.beta2);
+          row[j] -= m[j] * alpha / (std::sqrt(v[j]) + a.epsilon);
+        }
+        break;
+      }
+    }
+  }
+}
+
+void HashTable::RelayoutLocked(HashOptimizer optimizer, float initial_accumulator) {
+  const int64_t dim = config_.dim, old_floats = row_floats_;
+  std::vector<Block> old;
+  old.swap(blocks_);
+  optimizer_ = optimizer;
+  initial_accumulator_ = initial_accumulator;
+  row_floats_ = dim * (1 + NumSlots(optimizer));
+  const float slot_init = SlotInitLocked();
+  for (size_t b = 0; b < old.size(); ++b) {
+    Block nb;
+    nb.floats.reset(new float[kBlockRows * row_floats_]);
+    nb.meta = std::move(old[b].meta);
+    const int64_t rows = std::min(kBlockRows, num_rows_ - static_cast<int64_t>(b) * kBlockRows);
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* from = old[b].floats.get() + i * old_floats;
+      float* to = nb.floats.get() + i * row_floats_;
+      std::copy(from, from + dim, to);
+      std::fill(to + dim, to + row_floats_, slot_init);
+    }
+    old[b].floats.reset();
+    blocks_.push_back(std::move(nb));
+  }
+}
+
+void HashTable::Export(Snapshot* s, int64_t* num_slots) const {
+  ::tensorflow::tf_shared_lock lock(mu_);
+  const int64_t n = num_rows_, dim = config_.dim, slots = NumSlots(optimizer_);
+  *num_slots = slots;
+  s->keys.assign(n, 0);
+  s->tags.resize(n);
+  s->frequency.resize(n);
+  s->last_seen.resize(n);
+  s->values.resize(n * dim);
+  s->slots.resize(n * slots * dim);
+  for (const auto& kv : index_) s->keys[kv.second] = kv.first;
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = RowLocked(r);
+    std::copy(row, row + dim, s->values.data() + r * dim);
+    std::copy(row + dim, row + row_floats_, s->slots.data() + r * slots * dim);
+    const Meta& m = MetaLocked(r);
+    s->tags[r] = m.last_step;
+    s->frequency[r] = m.frequency;
+    s->last_seen[r] = m.last_seen;
+  }
+}
+
+Status HashTable::Import(const Snapshot& s, int64_t num_slots) {
+  const int64_t n = static_cast<int64_t>(s.keys.size());
+  absl::flat_hash_map<int64_t, int64_t> index;
+  index.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    if (!index.emplace(s.keys[i], i).second) {
+      return errors::InvalidArgument("keys[", i, "] = ", s.keys[i],
+                                     " appears twice in the rows to import into ", DebugString(),
+                                     ".");
+    }
+  }
+  if (num_slots < 0 || num_slots > 2) {
+    return errors::InvalidArgument("Rows have 0 (SGD), 1 (Adagrad) or 2 (Adam) slots, got ",
+                                   num_slots, ".");
+  }
+  const int64_t dim = config_.dim, slots = num_slots;
+  ::tensorflow::mutex_lock lock(mu_);
+  index_.swap(index);
+  blocks_.clear();
+  num_rows_ = 0;
+  optimizer_ = static_cast<HashOptimizer>(num_slots);
+  row_floats_ = dim * (1 + slots);
+  known_step_ = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = AppendLocked(s.keys[i]);
+    float* row = RowLocked(r);
+    std::copy(s.values.data() + i * dim, s.values.data() + (i + 1) * dim, row);
+    std::copy(s.slots.data() + i * slots * dim, s.slots.data() + (i + 1) * slots * dim,
+              row + dim);
+    MetaLocked(r) = Meta{s.tags[i], s.frequency[i], s.last_seen[i]};
+    known_step_ = std::max({known_step_, s.tags[i] + 1, s.last_seen[i]});
+  }
+  return ::tensorflow::OkStatus();
+}
+
+namespace {
+
+Status ParseTableConfig(OpKernelConstruction* ctx, HashTableConfig* c) {
+  std::string init;
+  float a, b;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("dim", &c->dim));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("seed", &c->seed));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("initializer", &init));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("init_a", &a));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("init_b", &b));
+  if (c->dim < 1) {
+    return errors::InvalidArgument("dim (the embedding width) must be >= 1, got ", c->dim, ".");
+  }
+  // initializer and optimizer list their choices in the op's attributes: TF checked them.
+  c->init = init == "normal" ? HashTableConfig::kNormal
+                             : (init == "zeros" ? HashTableConfig::kZeros
+                                                : HashTableConfig::kUniform);
+  c->init_a = a;
+  c->init_b = b;
+  if (c->init == HashTableConfig::kNormal && !(b >= 0.0f)) {
+    return errors::InvalidArgument("A normal initializer's stddev (init_b) must be >= 0, got ", b,
+                                   ".");
+  }
+  return ::tensorflow::OkStatus();
+}
+
+class HashTableCreateOp : public OpKernel {
+ public:
+  explicit HashTableCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ParseTableConfig(ctx, &config_));
+    OP_REQUIRES_OK(ctx, name_.FromAttrs(ctx));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    CreateResourceAndOutputHandle<HashTable>(ctx, name_, [this](HashTable** out) {
+      *out = new HashTable(config_);
+      return ::tensorflow::OkStatus();
+    });
+  }
+
+ private:
+  HashTableConfig config_;
+  ResourceName name_;
+};
+
+// The int64 vector of keys at input `index`.
+Status ReadKeys(OpKernelContext* ctx, int index, const char* what, const Tensor** keys) {
+  *keys = &ctx->input(index);
+  if (!::tensorflow::TensorShapeUtils::IsVector((*keys)->shape())) {
+    return errors::InvalidArgument(what, " must be a vector of int64 keys, got shape ",
+                                   (*keys)->shape().DebugString(),
+                                   " (flatten the ids first; the layer does).");
+  }
+  return ::tensorflow::OkStatus();
+}
+
+// Rows [len(keys), dim] of `what` at input `index`, checked against the table.
+Status ReadRows(OpKernelContext* ctx, int index, const char* what, int64_t n,
+                const HashTable& table, int64_t width, const Tensor** rows) {
+  *rows = &ctx->input(index);
+  TensorShape expected({n});
+  if (width > 1) expected.AddDim(width);
+  expected.AddDim(table.dim());
+  if ((*rows)->shape() != expected) {
+    return errors::InvalidArgument(what, " must have shape ", expected.DebugString(),
+                                   " (len(keys), ", width > 1 ? "num_slots, " : "",
+                                   "dim) for ", table.DebugString(), ", got ",
+                                   (*rows)->shape().DebugString(), ".");
+  }
+  return ::tensorflow::OkStatus();
+}
+
+// Training (insert = true) or find-only lookup.
+template <bool kInsert>
+class HashTableLookupOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HashTable> table;
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "hash table", &table));
+    const Tensor* keys;
+    OP_REQUIRES_OK(ctx, ReadKeys(ctx, 1, "keys", &keys));
+    const int64_t n = keys->dim_size(0);
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, table->dim()}), &out));
+    if (kInsert) {
+      int64_t step;
+      OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 2, "global_step", &step));
+      table->LookupOrInsert(keys->vec<int64_t>().data(), n, step, out->flat<float>().data());
+    } else {
+      table->Find(keys->vec<int64_t>().data(), n, out->flat<float>().data());
+    }
+  }
+};
+
+class HashTableApplyOp : public OpKernel {
+ public:
+  explicit HashTableApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string optimizer;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("optimizer", &optimizer));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("initial_accumulator", &initial_accumulator_));
+    optimizer_ = optimizer == "adam" ? HashOptimizer::kAdam
+                                     : (optimizer == "adagrad" ? HashOptimizer::kAdagrad
+                                                               : HashOptimizer::kSgd);
+    OP_REQUIRES(ctx, initial_accumulator_ >= 0.0f,
+                errors::InvalidArgument("initial_accumulator must be >= 0, got ",
+                                        initial_accumulator_, "."));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HashTable> table;
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "hash table", &table));
+    const Tensor *keys, *grads;
+    OP_REQUIRES_OK(ctx, ReadKeys(ctx, 1, "keys", &keys));
+    const int64_t n = keys->dim_size(0);
+    OP_REQUIRES_OK(ctx, ReadRows(ctx, 2, "gradients", n, *table, 1, &grads));
+    HashApplyArgs a;
+    a.optimizer = optimizer_;
+    a.initial_accumulator = initial_accumulator_;
+    const char* names[] = {"learning_rate", "beta_1", "beta_2", "epsilon"};
+    float* dests[] = {&a.lr, &a.beta1, &a.beta2, &a.epsilon};
+    for (int i = 0; i < 4; ++i) {
+      const Tensor& t = ctx->input(3 + i);
+      OP_REQUIRES(ctx, ::tensorflow::TensorShapeUtils::IsScalar(t.shape()),
+                  errors::InvalidArgument(names[i], " must be a scalar, got shape ",
+                                          t.shape().DebugString(), "."));
+      *dests[i] = t.scalar<float>()();
+    }
+    OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 7, "iteration", &a.iteration));
+    OP_REQUIRES(ctx, a.iteration >= 0,
+                errors::InvalidArgument("iteration must be >= 0, got ", a.iteration, "."));
+    table->Apply(keys->vec<int64_t>().data(), grads->flat<float>().data(), n, a);
+  }
+
+ private:
+  HashOptimizer optimizer_;
+  float initial_accumulator_;
+};
+
+class HashTableSizeOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HashTable> table;
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "hash table", &table));
+    Tensor *size, *bytes;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &size));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &bytes));
+    size->scalar<int64_t>()() = table->Size();
+    bytes->scalar<int64_t>()() = table->AllocatedBytes();
+  }
+};
+
+template <typename T>
+Status CopyOut(OpKernelContext* ctx, int index, TensorShape shape, const std::vector<T>& from) {
+  Tensor* out;
+  TF_RETURN_IF_ERROR(ctx->allocate_output(index, shape, &out));
+  std::copy(from.begin(), from.end(), out->flat<T>().data());
+  return ::tensorflow::OkStatus();
+}
+
+class HashTableExportOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HashTable> table;
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "hash table", &table));
+    HashTable::Snapshot s;
+    int64_t num_slots;
+    table->Export(&s, &num_slots);
+    const int64_t n = static_cast<int64_t>(s.keys.size());
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 0, TensorShape({n}), s.keys));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 1, TensorShape({n, table->dim()}), s.values));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 2, TensorShape({n, num_slots, table->dim()}), s.slots));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 3, TensorShape({n}), s.tags));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 4, TensorShape({n}), s.frequency));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 5, TensorShape({n}), s.last_seen));
+  }
+};
+
+class HashTableImportOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HashTable> table;
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "hash table", &table));
+    const Tensor *keys, *values, *slots;
+    OP_REQUIRES_OK(ctx, ReadKeys(ctx, 1, "keys", &keys));
+    const int64_t n = keys->dim_size(0);
+    OP_REQUIRES_OK(ctx, ReadRows(ctx, 2, "values", n, *table, 1, &values));
+    // Slots: [n, num_slots, dim]; SGD's [n, 0, dim] is empty.
+    const Tensor& slot_t = ctx->input(3);
+    OP_REQUIRES(ctx, slot_t.dims() == 3 && slot_t.dim_size(0) == n &&
+                         slot_t.dim_size(1) <= 2 && slot_t.dim_size(2) == table->dim(),
+                errors::InvalidArgument("slots must have shape [", n, ", num_slots <= 2, ",
+                                        table->dim(), "] (len(keys), num_slots, dim) for ",
+                                        table->DebugString(), ", got ",
+                                        slot_t.shape().DebugString(), "."));
+    slots = &slot_t;
+    const char* names[] = {"tags", "frequency", "last_seen"};
+    for (int i = 0; i < 3; ++i) {
+      const Tensor& t = ctx->input(4 + i);
+      OP_REQUIRES(ctx, t.shape() == TensorShape({n}),
+                  errors::InvalidArgument(names[i], " must have shape [", n, "] (len(keys)), got ",
+                                          t.shape().DebugString(), "."));
+    }
+    HashTable::Snapshot s;
+    auto vec = [](const Tensor& t) {
+      auto v = t.flat<int64_t>();
+      return std::vector<int64_t>(v.data(), v.data() + v.size());
+    };
+    s.keys = vec(*keys);
+    s.tags = vec(ctx->input(4));
+    s.frequency = vec(ctx->input(5));
+    s.last_seen = vec(ctx->input(6));
+    for (int64_t i = 0; i < n; ++i) {
+      OP_REQUIRES(ctx, s.tags[i] >= -1,
+                  errors::InvalidArgument("tags[", i, "] = ", s.tags[i], " must be >= -1."));
+    }
+    auto fv = values->flat<float>();
+    s.values.assign(fv.data(), fv.data() + fv.size());
+    auto sv = slots->flat<float>();
+    s.slots.assign(sv.data(), sv.data() + sv.size());
+    OP_REQUIRES_OK(ctx, table->Import(s, slot_t.dim_size(1)));
+  }
+};
+
+// shard = mix64(key) mod num_shards, as int32.
+class HashKeyShardOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& keys = ctx->input(0);
+    int64_t num_shards;
+    OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 1, "num_shards", &num_shards));
+    OP_REQUIRES(ctx, num_shards >= 1 && num_shards < (int64_t{1} << 31),
+                errors::InvalidArgument("num_shards must be in [1, 2^31), got ", num_shards, "."));
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, keys.shape(), &out));
+    auto k = keys.flat<int64_t>();
+    auto o = out->flat<int32_t>();
+    for (int64_t i = 0; i < k.size(); ++i) {
+      o(i) = static_cast<int32_t>(Mix64(static_cast<uint64_t>(k(i))) %
+                                  static_cast<uint64_t>(num_shards));
+    }
+  }
+};
+
+}  // namespace
+
+REGISTER_KERNEL_BUILDER(Name("GBA>HashTableCreate").Device(::tensorflow::DEVICE_CPU),
+                        HashTableCreateOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>HashTableLookup").Device(::tensorflow::DEVICE_CPU),
+                        HashTableLookupOp<true>);
+REGISTER_KERNEL_BUILDER(Name("GBA>HashTableFind").Device(::tensorflow::DEVICE_CPU),
+                        HashTableLookupOp<false>);
+REGISTER_KERNEL_BUILDER(Name("GBA>HashTableApply").Device(::tensorflow::DEVICE_CPU),
+                        HashTableApplyOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>HashTableSize").Device(::tensorflow::DEVICE_CPU),
+                        HashTableSizeOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>HashTableExport").Device(::tensorflow::DEVICE_CPU),
+                        HashTableExportOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>HashTableImport").Device(::tensorflow::DEVICE_CPU),
+                        HashTableImportOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>HashKeyShard").Device(::tensorflow::DEVICE_CPU),
+                        HashKeyShardOp);
+
+}  // namespace tf_gba

@@ -1,0 +1,188 @@
+// Op registrations of the expandable hash embedding table (SPEC section 6) and of the sparse
+// buffer's push for hash rows. Kernels live in ../kernels/hash_table_op.cc and
+// ../kernels/sparse_buffer_op.cc; Python wrappers in tf_gba/ops/hash_table_ops.py.
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tf_gba {
+
+using ::tensorflow::Status;
+using ::tensorflow::shape_inference::DimensionHandle;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+
+namespace {
+
+// The table's width, from the handle's creating op's attribute when the graph knows it: rows are
+// [len(keys), unknown] otherwise (the kernel checks the real width).
+Status RowsOfKeys(InferenceContext* c, int keys_input, int output) {
+  ShapeHandle keys;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(keys_input), 1, &keys));
+  c->set_output(output, c->Matrix(c->Dim(keys, 0), c->UnknownDim()));
+  return ::tensorflow::OkStatus();
+}
+
+}  // namespace
+
+REGISTER_OP("GBA>HashTableCreate")
+    .Output("handle: resource")
+    .Attr("dim: int")
+    .Attr("seed: int = 0")
+    .Attr("initializer: {'uniform', 'normal', 'zeros'} = 'uniform'")
+    .Attr("init_a: float = -0.05")
+    .Attr("init_b: float = 0.05")
+    .Attr("container: string = ''")
+    .Attr("shared_name: string = ''")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
+    .Doc(R"doc(
+Creates (or finds, by shared_name) one shard of an expandable hash embedding table: int64 key ->
+row (embedding [dim], the optimizer's slots, last_step tag, frequency, last_seen). A key's first
+embedding depends on (seed, key) only: uniform in [init_a, init_b), or normal with mean init_a and
+stddev init_b, from splitmix64's counter-based stream of the key.
+)doc");
+
+REGISTER_OP("GBA>HashTableLookup")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Input("global_step: int64")
+    .Output("values: float")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &unused));
+      return RowsOfKeys(c, 1, 0);
+    })
+    .Doc("Training lookup: find-or-insert each key, frequency += 1, last_seen = global_step (< 0: "
+         "the table's own, one past the iteration of its latest apply).");
+
+REGISTER_OP("GBA>HashTableFind")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Output("values: float")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) { return RowsOfKeys(c, 1, 0); })
+    .Doc("Evaluation lookup: a missing key gets its initial row; nothing is inserted.");
+
+REGISTER_OP("GBA>HashTableApply")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Input("gradients: float")
+    .Input("learning_rate: float")
+    .Input("beta_1: float")
+    .Input("beta_2: float")
+    .Input("epsilon: float")
+    .Input("iteration: int64")
+    .Attr("optimizer: {'sgd', 'adagrad', 'adam'}")
+    .Attr("initial_accumulator: float = 0.1")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle keys, grads;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &keys));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &grads));
+      DimensionHandle unused;
+      return c->Merge(c->Dim(keys, 0), c->Dim(grads, 0), &unused);
+    })
+    .Doc(R"doc(
+The table's optimizer on rows `keys` (duplicates summed first; a missing key is inserted first).
+For sgd, w -= lr g; for adagrad, a += g^2, w -= lr g / sqrt(a + epsilon); for adam (LazyAdam),
+m += (g - m)(1 - beta_1), v += (g^2 - v)(1 - beta_2), w -= alpha m / (sqrt(v) + epsilon) with
+alpha = lr sqrt(1 - beta_2^t) / (1 - beta_1^t), t = iteration + 1. Only the given rows change.
+Rows hold the slots of the last optimizer applied (or imported); another one re-lays every row
+out once, its slots starting from zero (Adagrad: initial_accumulator).
+)doc");
+
+REGISTER_OP("GBA>HashTableSize")
+    .Input("handle: resource")
+    .Output("size: int64")
+    .Output("allocated_bytes: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Scalar());
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("Rows in the table, and the bytes it holds (rows, tags, counters and the key index).");
+
+REGISTER_OP("GBA>HashTableExport")
+    .Input("handle: resource")
+    .Output("keys: int64")
+    .Output("values: float")
+    .Output("slots: float")
+    .Output("tags: int64")
+    .Output("frequency: int64")
+    .Output("last_seen: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      DimensionHandle n = c->UnknownDim();
+      c->set_output(0, c->Vector(n));
+      c->set_output(1, c->Matrix(n, c->UnknownDim()));
+      c->set_output(2, c->MakeShape({n, c->UnknownDim(), c->UnknownDim()}));
+      for (int i = 3; i < 6; ++i) c->set_output(i, c->Vector(n));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("Every row: keys [n], values [n, dim], slots [n, num_slots, dim], tags, frequency, "
+         "last_seen [n].");
+
+REGISTER_OP("GBA>HashTableImport")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Input("values: float")
+    .Input("slots: float")
+    .Input("tags: int64")
+    .Input("frequency: int64")
+    .Input("last_seen: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &unused));
+      return c->WithRank(c->input(3), 3, &unused);
+    })
+    .Doc("Replaces the table's content with the given rows (a checkpoint restore).");
+
+REGISTER_OP("GBA>HashKeyShard")
+    .Input("keys: int64")
+    .Input("num_shards: int64")
+    .Output("shard: int32")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("mix64(key) mod num_shards, mix64 being splitmix64's finaliser.");
+
+REGISTER_OP("GBA>HashBufferPush")
+    .Input("handle: resource")
+    .Input("token: int64")
+    .Input("ticket: int64")
+    .Input("keys: int64")
+    .Input("values: T")
+    .Input("table: resource")
+    .Output("ready: bool")
+    .Output("aggregate_keys: int64")
+    .Output("aggregate_values: T")
+    .Output("global_step: int64")
+    .Attr("T: {float}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused, keys, values;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &keys));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 2, &values));
+      DimensionHandle n;
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(keys, 0), c->Dim(values, 0), &n));
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      c->set_output(2, c->Matrix(c->UnknownDim(), c->Dim(values, 1)));
+      c->set_output(3, c->Scalar());
+      return ::tensorflow::OkStatus();
+    })
+    .Doc(R"doc(
+GBA>SparseBufferPush for a buffer created with keyed=true: rows are named by hash-table keys, and
+each key's staleness max(0, last_step[key] + 1 - token) reads the tag kept in the table's row
+(-1 for a key without a row). The aggregation writes last_step[key] = k into the table.
+)doc");
+
+}  // namespace tf_gba

@@ -1,0 +1,167 @@
+"""HashEmbedding in one process: the same training as a partitioned Keras Embedding, its lookups,
+checkpoints and errors.
+
+The partitioned model is the reference: with no collisions and SGD or Adagrad, Keras' sparse
+update of a row and the hash table's fused update of that row are the same formula (SPEC section
+6), so both models, started from the same rows and trained on the same batches, must end with the
+same rows. The per-row formulas themselves are checked against NumPy in
+tests/ops/test_hash_table_ops.py.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+from tf_gba.layers import HashEmbedding
+from tf_gba.ops import hash_table_ops
+from tf_gba.optimizers import GBA
+
+DIM, FIELDS, BATCH = 4, 3, 8
+IDS = np.array([5, 10**12, -7, 2**40 + 3, 0, 99, 123456, 77])  # distinct raw ids
+
+
+def _batches(seed=0, steps=6):
+  rng = np.random.default_rng(seed)
+  pos = rng.integers(0, len(IDS), size=(steps, BATCH, FIELDS))
+  y = rng.normal(size=(steps, BATCH, 1)).astype(np.float32)
+  return pos, y
+
+
+def _head(name):
+  return keras.Sequential([keras.layers.Flatten(), keras.layers.Dense(
+      1, kernel_initializer=keras.initializers.GlorotUniform(seed=1), name=name)])
+
+
+def hash_model(**kwargs):
+  ids = keras.Input(shape=(FIELDS,), dtype=tf.int64)
+  emb = HashEmbedding(DIM, seed=3, name="hash", **kwargs)
+  return keras.Model(ids, _head("dense")(emb(ids))), emb
+
+
+def vocab_model():
+  pos = keras.Input(shape=(FIELDS,), dtype=tf.int64)
+  emb = keras.layers.Embedding(len(IDS), DIM, name="vocab")
+  return keras.Model(pos, _head("dense")(emb(pos))), emb
+
+
+@pytest.mark.parametrize("make_inner", [lambda: keras.optimizers.SGD(0.3),
+                                        lambda: keras.optimizers.Adagrad(0.2)])
+def test_same_rows_as_a_partitioned_embedding(make_inner):
+  hmodel, hemb = hash_model()
+  vmodel, vemb = vocab_model()
+  # The same starting rows: the vocabulary model gets the hash table's initial rows.
+  vemb.set_weights([hemb.table.find(tf.constant(IDS, tf.int64)).numpy()])
+  assert hemb.table.size() == 0  # find inserts nothing
+  vmodel.layers[-1].set_weights(hmodel.layers[-1].get_weights())
+  hmodel.compile(GBA(make_inner()), "mse")  # M = 1 outside a strategy: every gradient applied
+  vmodel.compile(make_inner(), "mse")
+  pos, y = _batches()
+  for p, t in zip(pos, y):
+    hmodel.train_on_batch(IDS[p], t)
+    vmodel.train_on_batch(p, t)
+  rows = hemb.table.export()
+  by_key = dict(zip(rows["keys"].numpy().tolist(), rows["values"].numpy()))
+  seen = sorted(set(pos.ravel().tolist()))
+  assert sorted(by_key) == sorted(int(IDS[i]) for i in seen)
+  want = vemb.get_weights()[0]
+  for i in seen:
+    np.testing.assert_allclose(by_key[int(IDS[i])], want[i], rtol=1e-6, atol=1e-6)
+  for a, b in zip(hmodel.layers[-1].get_weights(), vmodel.layers[-1].get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  counts = np.array([sum(int(i) in set(p.ravel().tolist()) for p in pos) for i in seen])
+  got_freq = dict(zip(rows["keys"].numpy().tolist(), rows["frequency"].numpy().tolist()))
+  assert [got_freq[int(IDS[i])] for i in seen] == counts.tolist()  # batches holding the id
+
+
+def test_custom_loop_with_strings_and_eval_lookup_inserts_nothing():
+  layer = HashEmbedding(DIM, seed=1)
+  words = tf.constant([["a", "b"], ["b", "zzz"]])
+  optimizer = GBA(keras.optimizers.SGD(1.0))
+  with tf.GradientTape() as tape:
+    out = layer(words, training=True)
+    loss = tf.reduce_sum(out)
+  grads = tape.gradient(loss, layer.trainable_variables)
+  optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+  assert out.shape == (2, 2, DIM)
+  keys = hash_table_ops.string_keys(tf.constant(["a", "b", "zzz"])).numpy()
+  rows = layer.table.export()
+  got = dict(zip(rows["keys"].numpy().tolist(), rows["values"].numpy()))
+  init = layer.table.find(tf.constant([12345], tf.int64))  # unrelated key, for the shape only
+  assert init.shape == (1, DIM)
+  # SGD lr 1 on d(sum)/d(row) = number of occurrences: "b" appears twice.
+  first = {k: v for k, v in zip(keys.tolist(), out.numpy().reshape(-1, DIM)[[0, 1, 3]])}
+  for k, n in zip(keys.tolist(), [1, 2, 1]):
+    np.testing.assert_allclose(got[k], first[k] - n, rtol=1e-6)
+  size = layer.table.size()
+  layer(tf.constant([["never seen"]]), training=False)
+  assert layer.table.size() == size
+
+
+def test_bad_inputs_get_one_line():
+  layer = HashEmbedding(DIM)
+  with pytest.raises(TypeError, match="must be integers .* got float32"):
+    layer(tf.constant([1.0, 2.0]))
+  with pytest.raises(TypeError, match="RaggedTensor"):
+    layer(tf.ragged.constant([[1], [2, 3]], tf.int64))
+  with pytest.raises(ValueError, match="are a scalar"):
+    layer(tf.constant(3, tf.int64))
+  with pytest.raises(ValueError, match="output_dim"):
+    HashEmbedding(0)
+  with pytest.raises(ValueError, match="embeddings_initializer"):
+    HashEmbedding(4, embeddings_initializer="glorot_uniform")
+  with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+    with pytest.raises(ValueError, match="cannot live under MirroredStrategy"):
+      HashEmbedding(DIM)(tf.constant([1], tf.int64))
+
+
+def test_optimizers_the_table_cannot_apply_are_refused():
+  model, _ = hash_model()
+  model.compile(GBA(keras.optimizers.SGD(0.1, momentum=0.9)), "mse")
+  pos, y = _batches()
+  with pytest.raises(ValueError, match="plain SGD"):
+    model.train_on_batch(IDS[pos[0]], y[0])
+
+
+def test_checkpoint_round_trip_keeps_every_row_field(tmp_path):
+  model, emb = hash_model()
+  model.compile(GBA(keras.optimizers.Adam(0.01)), "mse")
+  pos, y = _batches(seed=2)
+  for p, t in zip(pos, y):
+    model.train_on_batch(IDS[p], t)
+  path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(tmp_path / "ckpt"))
+  before = emb.table.export()
+  assert before["slots"].shape[1] == 2 and int(tf.reduce_max(before["tags"])) >= 0
+  restored, remb = hash_model()
+  restored.compile(GBA(keras.optimizers.Adam(0.01)), "mse")
+  restored(IDS[pos[0]])  # built: the table exists before the restore
+  tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(path)
+  after = remb.table.export()
+  order_a, order_b = np.argsort(before["keys"].numpy()), np.argsort(after["keys"].numpy())
+  for f in hash_table_ops.EXPORT_FIELDS:
+    np.testing.assert_array_equal(before[f].numpy()[order_a], after[f].numpy()[order_b])
+  # Training goes on identically from the restored state.
+  model.train_on_batch(IDS[pos[0]], y[0])
+  restored.train_on_batch(IDS[pos[0]], y[0])
+  a, b = emb.table.export(), remb.table.export()
+  np.testing.assert_allclose(a["values"].numpy()[np.argsort(a["keys"].numpy())],
+                             b["values"].numpy()[np.argsort(b["keys"].numpy())], rtol=1e-6)
+
+
+def test_sharded_table_checkpoint_restores_into_another_shard_count(tmp_path):
+  src = hash_table_ops.ShardedHashTable(DIM, devices=["", ""], seed=4)
+  keys = tf.constant(np.arange(-20, 20) * 7919, tf.int64)
+  src.lookup(keys, 5)
+  src.apply(keys[:10], tf.ones([10, DIM]), "adagrad", learning_rate=0.1)
+  path = tf.train.Checkpoint(table=src).save(str(tmp_path / "t"))
+  want = src.export()
+  for p in (1, 3):
+    dst = hash_table_ops.ShardedHashTable(DIM, devices=[""] * p, seed=4)
+    tf.train.Checkpoint(table=dst).restore(path).assert_consumed()
+    got = dst.export()
+    oa, ob = np.argsort(want["keys"].numpy()), np.argsort(got["keys"].numpy())
+    for f in hash_table_ops.EXPORT_FIELDS:
+      np.testing.assert_array_equal(want[f].numpy()[oa], got[f].numpy()[ob])
+    for i, shard in enumerate(dst.shards):
+      shard_keys = shard.export()["keys"].numpy()
+      assert all(hash_table_ops.mix64(int(k)) % p == i for k in shard_keys)

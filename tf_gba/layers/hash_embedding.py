@@ -1,0 +1,145 @@
+"""HashEmbedding: an embedding layer over an expandable hash table (SPEC section 6).
+
+Used like `tf_keras.layers.Embedding`, without a vocabulary: any int64 id (or string, taken as its
+64-bit Fingerprint64) gets a row on its first training lookup, initialised from (seed, id) only.
+Without a strategy the table lives in this process; under a ParameterServerStrategy (such as
+`tf_gba.distribute.GBAStrategy`) it is sharded over the parameter servers by `mix64(id) mod P`, and
+each worker step deduplicates its ids and sends every shard only its own, in one lookup per shard.
+
+Gradients: the layer's rows reach the optimizer as the gradient of the layer's `hash_anchor`
+weight, an `IndexedSlices` whose indices are the ids themselves. `tf_gba.optimizers.GBA` (every
+mode: gba, async, bsp, hop_bs, hop_bw; with M = 1 outside a strategy, every gradient is applied as
+it comes) sends them through a keyed sparse buffer per shard (per-ID staleness from the row's own
+tag) to the table's fused SGD, Adagrad or LazyAdam update on the parameter server.
+
+Example:
+
+  ids = tf_keras.Input(shape=(3,), dtype=tf.int64)
+  x = tf_gba.layers.HashEmbedding(8)(ids)                 # [batch, 3, 8]
+  model = tf_keras.Model(ids, tf_keras.layers.Dense(1)(tf_keras.layers.Flatten()(x)))
+  model.compile(tf_gba.optimizers.GBA(tf_keras.optimizers.Adagrad(0.1)), "mse")
+"""
+
+from typing import List, Optional
+
+import tensorflow as tf
+import tf_keras as keras
+
+from tf_gba.ops import hash_table_ops
+
+# The attribute of the anchor weight that names its table (read by the optimizer).
+TABLE_ATTR = "_tf_gba_hash_table"
+
+
+def table_of(variable) -> Optional[hash_table_ops.ShardedHashTable]:
+  """The hash table behind a HashEmbedding's anchor weight, or None for any other variable."""
+  return getattr(variable, TABLE_ATTR, None)
+
+
+def _table_devices() -> List[str]:
+  """Where the shards go: every parameter server under a PS strategy, else this process."""
+  if not tf.distribute.has_strategy():
+    return [""]
+  strategy = tf.distribute.get_strategy()
+  if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+    # TF internal (no public equivalent: the strategy's cluster_resolver is None here).
+    num_ps = strategy.extended._num_ps  # pylint: disable=protected-access
+    return [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(num_ps)]
+  raise ValueError(
+      f"HashEmbedding cannot live under {type(strategy).__name__}: its table is hosted by this "
+      "process (no strategy) or by the parameter servers of a ParameterServerStrategy such as "
+      "tf_gba.distribute.GBAStrategy; use tf_keras.layers.Embedding with a fixed vocabulary "
+      "under replicated strategies.")
+
+
+@keras.utils.register_keras_serializable(package="tf_gba")
+class HashEmbedding(keras.layers.Layer):
+  """An embedding of unbounded int64 (or string) ids in an expandable hash table.
+
+  Args:
+    output_dim: width of each row.
+    seed: the table's seed; a row's first value depends on (seed, id) only.
+    embeddings_initializer: "uniform" (in [minval, maxval)), "normal" (mean, stddev) or "zeros".
+    minval, maxval: the uniform initializer's range (default Keras Embedding's +-0.05).
+    mean, stddev: the normal initializer's parameters.
+
+  Call with ids of any rank >= 1 (int32, int64 or string); returns ids.shape + [output_dim].
+  `training=False` (evaluate, predict, serving) finds rows without inserting: an unseen id gets
+  its initial row. Training lookups insert, count the id's `frequency` and set its `last_seen`.
+  """
+
+  def __init__(self, output_dim: int, seed: int = 0, embeddings_initializer: str = "uniform",
+               minval: float = -0.05, maxval: float = 0.05, mean: float = 0.0,
+               stddev: float = 0.05, **kwargs):
+    super().__init__(**kwargs)
+    if int(output_dim) != output_dim or output_dim < 1:
+      raise ValueError(f"output_dim must be an integer >= 1, got {output_dim!r}.")
+    if embeddings_initializer not in hash_table_ops.INITIALIZERS:
+      raise ValueError(f"embeddings_initializer must be one of {hash_table_ops.INITIALIZERS} "
+                       f"(a function of (seed, id) only), got {embeddings_initializer!r}.")
+    self.output_dim = int(output_dim)
+    self.seed = int(seed)
+    self.embeddings_initializer = embeddings_initializer
+    self.minval, self.maxval, self.mean, self.stddev = minval, maxval, mean, stddev
+    self.table: Optional[hash_table_ops.ShardedHashTable] = None
+
+  def build(self, input_shape):
+    normal = self.embeddings_initializer == "normal"
+    with tf.init_scope():
+      self.table = hash_table_ops.ShardedHashTable(
+          self.output_dim, devices=_table_devices(), seed=self.seed,
+          initializer=self.embeddings_initializer,
+          init_a=self.mean if normal else self.minval,
+          init_b=self.stddev if normal else self.maxval, name=self.name)
+    # The weight the rows' gradient is taken for: empty, it only carries the table to the
+    # optimizer (the gradient's indices are the ids, its values the rows' gradients).
+    self.hash_anchor = self.add_weight(name="hash_anchor", shape=(0, self.output_dim),
+                                       initializer="zeros", trainable=True)
+    setattr(self.hash_anchor, TABLE_ATTR, self.table)
+    super().build(input_shape)
+
+  def _check_ids(self, ids) -> tf.Tensor:
+    keys = hash_table_ops.check_keys(ids, what=f"The ids of {self.name}")
+    if keys.shape.rank == 0:
+      raise ValueError(f"The ids of {self.name} are a scalar: pass at least one dimension "
+                       "(e.g. [batch] or [batch, ids_per_example]).")
+    return keys
+
+  def __call__(self, inputs, *args, **kwargs):
+    # Checked before Keras' own input handling, so a ragged or float input fails with this
+    # layer's message.
+    if isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)):
+      self._check_ids(inputs)
+    return super().__call__(inputs, *args, **kwargs)
+
+  def call(self, ids, training=None):
+    keys = self._check_ids(ids)
+    flat = tf.reshape(keys, [-1])
+    unique, position = tf.unique(flat)
+    if training is False:
+      rows = self.table.find(unique)
+    else:
+      rows = _attach_gradient(self.hash_anchor.value(), self.table.lookup(unique), unique)
+    out = tf.gather(rows, position)
+    return tf.reshape(out, tf.concat([tf.shape(keys), [self.output_dim]], axis=0))
+
+  def compute_output_shape(self, input_shape):
+    return tf.TensorShape(input_shape).concatenate([self.output_dim])
+
+  def get_config(self):
+    return {**super().get_config(), "output_dim": self.output_dim, "seed": self.seed,
+            "embeddings_initializer": self.embeddings_initializer, "minval": self.minval,
+            "maxval": self.maxval, "mean": self.mean, "stddev": self.stddev}
+
+
+@tf.custom_gradient
+def _attach_gradient(anchor, rows, keys):
+  """rows, whose gradient is handed to `anchor` as IndexedSlices(d rows, keys)."""
+
+  def grad(d_rows):
+    dim = tf.shape(d_rows, out_type=tf.int64)[1]
+    # dense_shape: the key space, which no dense tensor ever takes.
+    return (tf.IndexedSlices(d_rows, keys, tf.stack([tf.constant(2**63 - 1, tf.int64), dim])),
+            None, None)
+
+  return tf.identity(rows), grad

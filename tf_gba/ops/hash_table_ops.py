@@ -1,0 +1,261 @@
+"""Python wrappers of the expandable hash embedding table ops (SPEC section 6).
+
+`HashTableShard` is one shard of a table (one resource on one device); `ShardedHashTable` is the
+whole table over P shards, key -> shard `mix64(key) mod P` (splitmix64's finaliser), and is what a
+checkpoint holds: every row of every shard (keys, values, slots, tags, frequencies, last-seen
+steps), gathered on save and re-sharded by key on restore, so a table saved over P parameter
+servers restores into any other number of them, or into one process.
+
+Example:
+
+  table = ShardedHashTable(dim=8, devices=["/job:ps/task:0", "/job:ps/task:1"], seed=1)
+  rows = table.lookup(tf.constant([3, 10**12], tf.int64), global_step=0)   # [2, 8]
+  table.apply(keys, gradients, "adagrad", learning_rate=0.1, epsilon=1e-7)
+"""
+
+import itertools
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gba.ops import loader
+
+INITIALIZERS = ("uniform", "normal", "zeros")
+OPTIMIZERS = ("sgd", "adagrad", "adam")
+# Slots per row of each optimizer (the order of `slots` in an export).
+NUM_SLOTS = {"sgd": 0, "adagrad": 1, "adam": 2}
+SLOT_NAMES = {"sgd": (), "adagrad": ("accumulator",), "adam": ("m", "v")}
+
+_MASK64 = (1 << 64) - 1
+_uid = itertools.count()
+
+# The table's rows reach the optimizer through the layer's own gradient (tf_gba.layers), never
+# through these ops' outputs.
+loader.no_gradient(
+    "GBA>HashTableCreate", "GBA>HashTableLookup", "GBA>HashTableFind", "GBA>HashTableApply",
+    "GBA>HashTableSize", "GBA>HashTableExport", "GBA>HashTableImport", "GBA>HashKeyShard",
+    "GBA>HashBufferPush")
+
+
+def _ops():
+  return loader.load_op_library("gba")
+
+
+def mix64(key: int) -> int:
+  """splitmix64's finaliser of a 64-bit key (Python ints; the ops' `mix64`)."""
+  z = key & _MASK64
+  z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+  z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+  return z ^ (z >> 31)
+
+
+def shard_of_keys(keys, num_shards: int) -> tf.Tensor:
+  """int32 shard of every int64 key: mix64(key) mod num_shards."""
+  return _ops().gba_hash_key_shard(tf.convert_to_tensor(keys, tf.int64),
+                                   tf.constant(num_shards, tf.int64))
+
+
+def string_keys(strings) -> tf.Tensor:
+  """int64 keys of strings: Fingerprint64 (tf.fingerprint), the same in every process."""
+  strings = tf.convert_to_tensor(strings, tf.string)
+  flat = tf.reshape(strings, [-1])
+  # tf.fingerprint writes the 64-bit value little-endian: its 8 bytes are one int64.
+  keys = tf.bitcast(tf.fingerprint(flat, method="farmhash64"), tf.int64)
+  return tf.reshape(keys, tf.shape(strings))
+
+
+def check_keys(keys, what: str = "ids") -> tf.Tensor:
+  """keys as int64, or one line saying what to pass instead."""
+  if isinstance(keys, tf.RaggedTensor):
+    raise TypeError(f"{what} is a tf.RaggedTensor: pass a dense tensor (ragged.to_tensor() with "
+                    "a padding id) or one lookup per row.")
+  if isinstance(keys, tf.SparseTensor):
+    raise TypeError(f"{what} is a tf.SparseTensor: pass a dense tensor of ids "
+                    "(tf.sparse.to_dense with a padding id).")
+  keys = tf.convert_to_tensor(keys)
+  if keys.dtype == tf.string:
+    return string_keys(keys)
+  if not keys.dtype.is_integer:
+    raise TypeError(f"{what} must be integers (int32/int64) or strings, got {keys.dtype.name}: "
+                    "cast float ids with tf.cast(ids, tf.int64) if they hold whole numbers.")
+  return tf.cast(keys, tf.int64)
+
+
+class HashTableShard(tf.saved_model.experimental.TrackableResource):
+  """One shard of a hash embedding table, created eagerly on `device`.
+
+  Not checkpointed by itself: `ShardedHashTable` saves and restores the rows of all its shards.
+  """
+
+  def __init__(self, dim: int, device: str = "", seed: int = 0, initializer: str = "uniform",
+               init_a: float = -0.05, init_b: float = 0.05, name: str = "hash_table"):
+    super().__init__(device=device)
+    self._dim = int(dim)
+    self._attrs = dict(dim=self._dim, seed=int(seed), initializer=initializer,
+                       init_a=float(init_a), init_b=float(init_b))
+    self._shared_name = f"tf_gba/{name}/{next(_uid)}_{id(object())}"
+    with tf.init_scope():
+      _ = self.resource_handle  # create now, on `device`
+
+  @property
+  def dim(self) -> int:
+    return self._dim
+
+  @property
+  def device(self) -> str:
+    return self._resource_device
+
+  def _create_resource(self):
+    return _ops().gba_hash_table_create(shared_name=self._shared_name, **self._attrs)
+
+  def _destroy_resource(self):
+    tf.raw_ops.DestroyResourceOp(resource=self.resource_handle, ignore_lookup_error=True)
+
+  def lookup(self, keys, global_step=-1) -> tf.Tensor:
+    """Training lookup (find-or-insert, frequency += 1, last_seen = global_step): [n, dim].
+
+    global_step < 0: the step the shard knows, one past the iteration of its latest apply.
+    """
+    with tf.device(self._resource_device):
+      return _ops().gba_hash_table_lookup(self.resource_handle, keys,
+                                          tf.cast(global_step, tf.int64))
+
+  def find(self, keys) -> tf.Tensor:
+    """Evaluation lookup: missing keys get their initial rows, nothing is inserted: [n, dim]."""
+    with tf.device(self._resource_device):
+      return _ops().gba_hash_table_find(self.resource_handle, keys)
+
+  def apply(self, keys, gradients, optimizer: str, learning_rate, iteration=0, beta_1=0.9,
+            beta_2=0.999, epsilon=1e-7, initial_accumulator: float = 0.1) -> tf.Operation:
+    """The fused row update of `optimizer` ("sgd", "adagrad" or "adam" = LazyAdam)."""
+    if optimizer not in OPTIMIZERS:
+      raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}.")
+    f32 = lambda x: tf.cast(x, tf.float32)  # pylint: disable=unnecessary-lambda-assignment
+    with tf.device(self._resource_device):
+      return _ops().gba_hash_table_apply(
+          self.resource_handle, keys, gradients, f32(learning_rate), f32(beta_1), f32(beta_2),
+          f32(epsilon), tf.cast(iteration, tf.int64), optimizer=optimizer,
+          initial_accumulator=float(initial_accumulator))
+
+  def size(self) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(rows, allocated bytes)."""
+    with tf.device(self._resource_device):
+      return _ops().gba_hash_table_size(self.resource_handle)
+
+  def export(self) -> Dict[str, tf.Tensor]:
+    """Every row: keys, values, slots [n, num_slots, dim], tags, frequency, last_seen."""
+    with tf.device(self._resource_device):
+      out = _ops().gba_hash_table_export(self.resource_handle)
+    return dict(zip(EXPORT_FIELDS, out))
+
+  def import_rows(self, rows: Dict[str, tf.Tensor]) -> tf.Operation:
+    """Replaces the shard's rows with `rows` (as `export` returns them)."""
+    with tf.device(self._resource_device):
+      return _ops().gba_hash_table_import(self.resource_handle,
+                                          *[rows[f] for f in EXPORT_FIELDS])
+
+
+EXPORT_FIELDS = ("keys", "values", "slots", "tags", "frequency", "last_seen")
+
+
+class ShardedHashTable(tf.__internal__.tracking.Trackable):
+  """A hash embedding table over `len(devices)` shards, key -> shard mix64(key) mod P.
+
+  Lookups deduplicate the keys, send each shard only its own (one op per shard, on the shard's
+  device) and stitch the rows back in the keys' order.
+
+  Checkpoint entries: `keys`, `values`, `slots`, `tags`, `frequency`, `last_seen`: every row of
+  every shard (gathered on save; any order). Restoring re-shards by key into this table's shards.
+  """
+
+  def __init__(self, dim: int, devices: Sequence[str] = ("",), seed: int = 0,
+               initializer: str = "uniform", init_a: float = -0.05, init_b: float = 0.05,
+               name: str = "hash_table"):
+    if int(dim) != dim or dim < 1:
+      raise ValueError(f"dim (the embedding width) must be an integer >= 1, got {dim!r}.")
+    if initializer not in INITIALIZERS:
+      raise ValueError(f"initializer must be one of {INITIALIZERS}, got {initializer!r}.")
+    if not devices:
+      raise ValueError("A hash table needs at least one device for its shards.")
+    self._dim = int(dim)
+    self._seed = int(seed)
+    self._name = name
+    self._shards = [HashTableShard(dim, device=d, seed=seed, initializer=initializer,
+                                   init_a=init_a, init_b=init_b, name=f"{name}_{i}")
+                    for i, d in enumerate(devices)]
+
+  @property
+  def dim(self) -> int:
+    return self._dim
+
+  @property
+  def shards(self) -> List[HashTableShard]:
+    return list(self._shards)
+
+  @property
+  def num_shards(self) -> int:
+    return len(self._shards)
+
+  def partition(self, keys: tf.Tensor) -> Tuple[List[tf.Tensor], List[tf.Tensor]]:
+    """Keys of each shard and their positions in `keys` (a vector)."""
+    p = len(self._shards)
+    if p == 1:
+      return [keys], [tf.range(tf.size(keys))]
+    shard = shard_of_keys(keys, p)
+    positions = tf.dynamic_partition(tf.range(tf.size(keys)), shard, p)
+    return tf.dynamic_partition(keys, shard, p), positions
+
+  def _per_shard(self, keys: tf.Tensor, fn) -> tf.Tensor:
+    parts, positions = self.partition(keys)
+    rows = [fn(shard, part) for shard, part in zip(self._shards, parts)]
+    if len(rows) == 1:
+      return rows[0]
+    return tf.dynamic_stitch(positions, rows)
+
+  def lookup(self, keys, global_step=-1) -> tf.Tensor:
+    """Training lookup of a vector of distinct keys: [n, dim] (see HashTableShard.lookup)."""
+    return self._per_shard(keys, lambda s, k: s.lookup(k, global_step))
+
+  def find(self, keys) -> tf.Tensor:
+    """Evaluation lookup of a vector of keys (nothing inserted): [n, dim]."""
+    return self._per_shard(keys, lambda s, k: s.find(k))
+
+  def apply(self, keys, gradients, optimizer: str, **hyper) -> tf.Operation:
+    """The fused update on each shard of its own keys' rows (see HashTableShard.apply)."""
+    keys = tf.convert_to_tensor(keys, tf.int64)
+    parts, positions = self.partition(keys)
+    ops = [shard.apply(k, tf.gather(gradients, pos), optimizer, **hyper)
+           for shard, k, pos in zip(self._shards, parts, positions)]
+    return tf.group(ops)
+
+  def size(self) -> int:
+    """Rows over all shards (eager)."""
+    return int(sum(int(s.size()[0]) for s in self._shards))
+
+  def allocated_bytes(self) -> int:
+    """Bytes the shards hold (eager)."""
+    return int(sum(int(s.size()[1]) for s in self._shards))
+
+  def export(self) -> Dict[str, tf.Tensor]:
+    """Every row of every shard, concatenated (on the caller's device)."""
+    parts = [s.export() for s in self._shards]
+    if len(parts) == 1:
+      return parts[0]
+    return {f: tf.concat([p[f] for p in parts], axis=0) for f in EXPORT_FIELDS}
+
+  def import_rows(self, rows: Dict[str, tf.Tensor]) -> tf.Operation:
+    """Replaces every shard's rows with those of `rows` whose keys it owns."""
+    keys = tf.convert_to_tensor(rows["keys"], tf.int64)
+    parts, positions = self.partition(keys)
+    ops = []
+    for shard, pos in zip(self._shards, positions):
+      ops.append(shard.import_rows({f: tf.gather(rows[f], pos) for f in EXPORT_FIELDS}))
+    return tf.group(ops)
+
+  # ---- checkpointing ---------------------------------------------------------------------------
+  def _serialize_to_tensors(self):
+    return self.export()
+
+  def _restore_from_tensors(self, restored_tensors):
+    return self.import_rows(restored_tensors)
