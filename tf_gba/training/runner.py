@@ -28,6 +28,7 @@ from tf_gba.ops import worker_clock
 from tf_gba.optimizers import GBA
 from tf_gba.common import metrics
 from tf_gba.training import config as config_lib
+from tf_gba.training import export as export_lib
 from tf_gba.training import mode_registry
 from tf_gba.training import pipelining
 from tf_gba.training import preflight
@@ -547,6 +548,7 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     evaluation = (_NOT_EVALUATED if any(getattr(c, "skip_evaluation", False)
                                         for c in extra_callbacks) else job.evaluate())
     saved = job.save_checkpoint()
+    export_lib.export_after_run(job.model, config, stats["global_step"])
     recovery.report(config.model_dir, stats["global_step"], finished=True)
     if shared is not None:
       # Only steps that trained a batch run the strategy's step and count on their worker;

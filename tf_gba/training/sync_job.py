@@ -35,6 +35,7 @@ from tf_gba import data as data_lib
 from tf_gba import models as models_lib
 from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.common import metrics
+from tf_gba.training import export as export_lib
 from tf_gba.training import preflight
 from tf_gba.training import resharding
 from tf_gba.training import summary as summary_lib
@@ -359,6 +360,12 @@ def run_worker(config: dict, auto: dict = None) -> dict:
   digest = _digest(list(model.weights) + list(optimizer.variables))
 
   saved = save(global_step)
+  # Every worker writes it (saving reads mirrored variables through collectives); the chief's is
+  # kept.
+  if is_chief:
+    export_lib.export_after_run(model, cfg, global_step)
+  elif export_lib.export_dir(cfg.model_dir, cfg.export_dir) is not None:
+    export_lib.export_for_serving(model, os.path.join(scratch, "export"))
   if scratch:
     shutil.rmtree(scratch, ignore_errors=True)
 
