@@ -132,6 +132,10 @@ def define_flags() -> None:
   flags.DEFINE_float("checkpoint_every_secs", 0.0,
                      "Also write a checkpoint every S seconds during training (0: off).")
   flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept in model_dir (the newest).")
+  flags.DEFINE_string("export_dir", None,
+                      "Where the run's serving SavedModel goes, after the final checkpoint, as "
+                      "<export_dir>/<global step> (default <model_dir>/export; empty: none). "
+                      "Stock TensorFlow loads it without tf_gba (docs/serving.md).")
   flags.DEFINE_integer("max_restarts", 3,
                        "Local runs of the parameter-server modes: how many times the job is "
                        "started again, from its last checkpoint, after a parameter server or "

@@ -6,6 +6,7 @@ parameter servers.
 """
 
 import os
+import sys
 
 # tf_gba is built on Keras 2 (tf_keras): Keras 3, TF 2.21's default tf.keras, has no
 # ParameterServerStrategy support and tensorflow-recommenders refuses it. This must be set before
@@ -15,6 +16,13 @@ if os.environ.get("TF_USE_LEGACY_KERAS", "1") != "1":
       "tf_gba needs Keras 2 (tf_keras) but TF_USE_LEGACY_KERAS is set to "
       f"{os.environ['TF_USE_LEGACY_KERAS']!r}. Unset it or set TF_USE_LEGACY_KERAS=1.")
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
+
+# TensorFlow's C++ INFO lines (start-up notices, "Started server with target", and on a parameter
+# server cluster one "Ignoring error status when releasing multi-device function handle" per
+# checkpoint a callback writes) are for debugging TensorFlow; warnings and errors stay. Read once,
+# when TensorFlow loads: set TF_CPP_MIN_LOG_LEVEL=0 to see them again.
+if "tensorflow" not in sys.modules:
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 __version__ = "0.1.0"
 

@@ -64,3 +64,44 @@ def test_bad_sizes_are_refused():
     LocalCluster(num_ps=1, num_workers=0)
   with pytest.raises(ValueError, match="num_ps"):
     LocalCluster(num_ps=0, num_workers=1)
+
+
+_CONNECTED = """
+import os, sys
+import tf_gba
+import tensorflow as tf
+from tf_gba.distribute import LocalCluster
+
+def alive(pid):
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().split()[2] != "Z"
+  except FileNotFoundError:
+    return False
+
+with LocalCluster(num_ps=1, num_workers=1) as cluster:
+  tf.config.experimental_connect_to_cluster(cluster.resolver(), job_name="chief",
+                                            make_master_device_default=False)
+  with tf.device("/job:ps/task:0"):
+    v = tf.Variable(3.0)
+  double = tf.function(lambda: v * 2.0)
+  with tf.device("/job:worker/task:0"):
+    assert float(double()) == 6.0
+# `v` and `double` live on: the servers they refer to stay until this process ends.
+print("OWN", " ".join(map(str, cluster.pids)), all(alive(p) for p in cluster.pids), flush=True)
+"""
+
+
+def test_servers_the_process_still_refers_to_exit_with_it():
+  env = dict(os.environ, PYTHONPATH=_ROOT)
+  env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # TF's errors are what this is about
+  proc = subprocess.run([sys.executable, "-c", _CONNECTED], cwd=_ROOT, capture_output=True,
+                        text=True, timeout=300, env=env, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (line,) = [l for l in proc.stdout.splitlines() if l.startswith("OWN ")]
+  *pids, alive_after_block = line.split()[1:]
+  assert alive_after_block == "True"
+  # Released at exit while the servers were still there: no error about them.
+  for text in ("Connection refused", "Failed to remove function", "Unable to destroy"):
+    assert text not in proc.stderr, proc.stderr[-3000:]
+  assert _wait_dead([int(p) for p in pids]) == []

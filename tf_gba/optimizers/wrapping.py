@@ -42,6 +42,10 @@ class InnerOptimizerDelegation:
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
     children = dict(self._inner._trackable_children(save_type, **kwargs))  # pylint: disable=protected-access
-    key, state = self._wrapper_state()
-    children[key] = state
+    # A SavedModel is what a server loads, with stock TensorFlow: the wrapper's state lives in
+    # resources made and read by tf_gba's ops, which such a process does not have, and is training
+    # state only (buffers, tokens). It stays in checkpoints, out of SavedModels.
+    if save_type != "savedmodel":
+      key, state = self._wrapper_state()
+      children[key] = state
     return children

@@ -67,6 +67,9 @@ class TrainConfig:
   checkpoint_every_steps: int = 0
   checkpoint_every_secs: float = 0.0
   keep_checkpoints: int = 3
+  # The serving SavedModel written at the end of a run (`tf_gba.training.export`): None
+  # `<model_dir>/export`, "" none.
+  export_dir: Optional[str] = None
   data_options: str = ""
   # Async mode keeps the GBA wrapper with M = 1 (every push applied at once) to measure staleness;
   # False runs the bare inner optimizer, ParameterServerStrategy's own asynchronous training.

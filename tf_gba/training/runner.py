@@ -30,6 +30,7 @@ from tf_gba.optimizers import GBA
 from tf_gba.common import interrupt
 from tf_gba.common import metrics
 from tf_gba.training import config as config_lib
+from tf_gba.training import export as export_lib
 from tf_gba.training import mode_registry
 from tf_gba.training import pipelining
 from tf_gba.training import preflight
@@ -568,10 +569,11 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     saved = job.save_checkpoint()
     recovery.report(config.model_dir, stats["global_step"], finished=True)
     # A callback that ended the run to hand over to another job (--mode=auto) skips the
-    # evaluation: the job that continues evaluates.
-    evaluation = (_NOT_EVALUATED if any(getattr(c, "skip_evaluation", False)
-                                        for c in extra_callbacks)
-                  else final_evaluation(job.evaluate, saved))
+    # evaluation and the export: the job that continues makes them.
+    handing_over = any(getattr(c, "skip_evaluation", False) for c in extra_callbacks)
+    if not handing_over:
+      final_export(job.model, config, stats["global_step"], saved)
+    evaluation = _NOT_EVALUATED if handing_over else final_evaluation(job.evaluate, saved)
     if shared is not None:
       # Only steps that trained a batch run the strategy's step and count on their worker;
       # the no-op reads at the end of the list do not.
@@ -617,6 +619,18 @@ def _stop_on_signal(job: "_Job") -> None:
       recovery.record_seen(job.config.model_dir, seen, step)
   recovery.report(job.config.model_dir, step)
   raise interrupt.Interrupted(interrupt.requested(), saved, step)
+
+
+def final_export(model, config: TrainConfig, global_step: int, saved: str) -> None:
+  """The serving SavedModel (`--export_dir`), after the run's last checkpoint `saved`: a failure
+  (a full disk, an unwritable directory) is one line that says the model is safe."""
+  try:
+    export_lib.export_after_run(model, config, global_step)
+  except (OSError, ValueError, tf.errors.OpError) as e:
+    raise recovery.AfterTrainingError(
+        f"training finished and its checkpoint {saved} was written, but the serving export "
+        f"failed: {preflight.first_line(e)[:300]}. Fix that (or pass --export_dir= for none) and "
+        "export the checkpoint.") from e
 
 
 def final_evaluation(evaluate, saved: str) -> dict:

@@ -37,6 +37,7 @@ from tf_gba import models as models_lib
 from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.common import interrupt
 from tf_gba.common import metrics
+from tf_gba.training import export as export_lib
 from tf_gba.training import preflight
 from tf_gba.training import recovery
 from tf_gba.training import resharding
@@ -395,6 +396,14 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
 
   checkpoint_begin_unix = time.time()
   saved = save(global_step)
+  # Every worker writes it (saving reads mirrored variables through collectives); the chief's is
+  # kept. A run stopped by a signal or handing over to GBA (--mode=auto) exports nothing: the run
+  # that finishes does.
+  exporting = decision is None and not interrupted
+  if exporting and is_chief:
+    export_lib.export_after_run(model, cfg, global_step)
+  elif exporting and export_lib.export_dir(cfg.model_dir, cfg.export_dir) is not None:
+    export_lib.export_for_serving(model, os.path.join(scratch, "export"))
   if scratch:
     shutil.rmtree(scratch, ignore_errors=True)
 
