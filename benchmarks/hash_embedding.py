@@ -161,10 +161,15 @@ def main(argv=None):
   parser.add_argument("--vocab", type=int, default=1_000_000)
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--dry_run", action="store_true",
+                      help="check the flags, print one line and exit without running anything")
   args = parser.parse_args(argv)
   for name in ("keys", "shards", "dim", "batch", "fields", "vocab", "steps", "repeats"):
     if getattr(args, name) < 1:
       parser.error(f"--{name} must be >= 1, got {getattr(args, name)}.")
+  if args.dry_run:
+    print("benchmarks.hash_embedding: dry run: flags valid; nothing measured.")
+    return None
   batches = zipf_batches(args.steps, args.batch, args.fields, args.vocab)
   result = {"args": vars(args)}
   result["memory"] = memory(args.keys, args.shards, args.dim, args.optimizer)

@@ -106,9 +106,14 @@ def main(argv=None):
   p.add_argument("--local_batch_size", type=int, default=256)
   p.add_argument("--repeats", type=int, default=200)
   p.add_argument("--out", default=None, help="a JSON file for the figures")
+  p.add_argument("--dry_run", action="store_true",
+                 help="check the flags, print one line and exit without running anything")
   args = p.parse_args(argv)
   if args.repeats < 1 or args.local_batch_size < 1:
     p.error("--repeats and --local_batch_size must be >= 1")
+  if args.dry_run:
+    print("benchmarks.ps_service: dry run: flags valid; nothing measured.")
+    return None
   m = model_times(args)
   u = unit_times(args, m["embedding_width"])
   out = {**m, **u, "predicted_push_ms": m["dense_bytes"] / 2**20 * u["ms_per_mib_dense"]

@@ -235,6 +235,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--speed", action="store_true",
                  help="also time the first switched day trained by one worker in one process")
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_replay"))
+  p.add_argument("--dry_run", action="store_true",
+                 help="check the flags, print one line and exit without running anything")
   args = p.parse_args(argv)
   args.modes_list = [m.strip() for m in args.modes.split(",") if m.strip()]
   bad = [m for m in args.modes_list if m not in MODES]
@@ -303,6 +305,10 @@ def run_size(args, n: int) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[int, dict]:
   args = parse_args(argv)
+  if args.dry_run:
+    print(f"benchmarks.replay: dry run: flags valid ({len(args.sizes)} cluster sizes x "
+          f"{len(args.modes_list)} modes); nothing replayed.")
+    return {}
   out = {}
   for n in args.sizes:
     try:

@@ -108,16 +108,13 @@ def dry_run_train(args, env) -> dict:
     # pylint: disable-next=protected-access
     argv = _TRAIN._named_verbosity(["examples/train.py", *args, "--dry_run"])
     try:
-      FLAGS(argv)
-    except flags.Error as e:
-      print(f"FATAL Flags parsing error: {e}", file=sys.stderr)  # as absl's app.run
-      result["rc"] = 1
-    else:
-      try:
-        _TRAIN._entry(argv)  # pylint: disable=protected-access
-        result["rc"] = 0  # (the binary ends with exit_now(0))
-      except _Exit as e:
-        result["rc"] = e.code
+      # As app.run: the binary's own parser (a flag error is one line, exit 2), then the entry
+      # point with the words that are not flags.
+      rest = _TRAIN._parse_flags(argv)  # pylint: disable=protected-access
+      _TRAIN._entry(rest)  # pylint: disable=protected-access
+      result["rc"] = 0  # (the binary ends with exit_now(0))
+    except _Exit as e:
+      result["rc"] = e.code
   return result
 
 
