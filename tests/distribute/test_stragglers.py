@@ -150,12 +150,11 @@ def test_persistent_straggler_runs_a_third_as_many_steps_async():
   # o = 100 ms.
   assert 0.2 < ratio < 0.5, stats
   # Each step sleeps (floor - busy) + (3 - 1) x floor on the slow worker, floor - busy on the
-  # others (their own steps are far shorter than the floor).
-  assert slow["delay_seconds"] == pytest.approx(
-      3 * floor_s * slow["steps"] - slow["busy_seconds"], rel=0.02)
+  # others: exact while every step is shorter than its floor, and with the excess of the steps a
+  # loaded machine makes outlast it bounded by the busy time measured (the placement test's rule).
+  _check_padded_then_stretched(slow, floor_s, 3.0)
   for w in fast:
-    assert w["delay_seconds"] == pytest.approx(floor_s * w["steps"] - w["busy_seconds"],
-                                               rel=0.02)
+    _check_padded_then_stretched(w, floor_s, 1.0)
 
 
 def _placement_run(placement: str, optimizer_fn, steps: int = 48, floor_s: float = 0.1,
