@@ -194,6 +194,11 @@ def test_a_failure_after_training_keeps_the_trained_model(tmp_path):
   assert glob.glob(str(model_dir / "ckpt-20.index"))
   progress = json.loads((model_dir / "tf_gba_progress.json").read_text())
   assert progress["finished"] and progress["global_step"] == 20
+  # Fixed, the rerun starts from that checkpoint (a finished run: --steps more after it).
+  (model_dir / "eval_snapshot").unlink()
+  rerun = _train(f"--model_dir={model_dir}")
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  assert _summary(model_dir)["start_global_step"] == 20
 
 
 def test_empty_file(tmp_path):
