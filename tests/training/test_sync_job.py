@@ -131,7 +131,12 @@ def test_run_sync_trains_saves_and_summarizes_like_ps_modes(tmp_path, capsys):
   cfg = _config(tmp_path / "model", steps=12, stragglers="persistent:2@1")
   summary = sync_job.run_sync(cfg)
 
-  assert set(summary) == _ps_summary_keys()
+  # Sync keeps a progress record as the parameter-server modes do (a run stopped by a signal
+  # resumes to the same target), so its summary carries the same recovery fields they add.
+  recovery_keys = {"target_global_step", "restarts", "restart_causes", "steps_redone",
+                   "batches_reread", "worker_restarts"}
+  assert set(summary) == _ps_summary_keys() | recovery_keys
+  assert summary["steps_redone"] == 0 and summary["restarts"] == 0
   with open(tmp_path / "model" / "summary.json") as f:
     assert json.load(f) == json.loads(json.dumps(summary))
   assert summary["mode"] == "sync" and summary["num_workers"] == 2
