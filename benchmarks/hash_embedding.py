@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import resource
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -32,6 +31,7 @@ import tf_gba  # noqa: E402,F401
 import tensorflow as tf  # noqa: E402
 import tf_keras as keras  # noqa: E402
 
+from benchmarks import buffer_bandwidth  # noqa: E402
 from tf_gba.ops import hash_table_ops  # noqa: E402
 
 
@@ -41,13 +41,9 @@ def rss_bytes() -> int:
 
 
 def best_of(fn, repeats):
+  """buffer_bandwidth's best of `repeats` timed calls, after one untimed call (tracing)."""
   fn()
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return min(times)
+  return buffer_bandwidth.best_of(fn, repeats)
 
 
 def memory(keys, shards, dim, optimizer, chunk=1 << 20):
