@@ -6,7 +6,6 @@ by a veth pair (192.0.2.1 and 192.0.2.2, a documentation range). The training bi
 machine's non-loopback address. The machine's own namespace and addresses are never touched.
 """
 
-import json
 import os
 import shutil
 import signal
@@ -62,15 +61,33 @@ class _TwoHosts:
       p.wait()
 
 
+def _listening_ports(pid):
+  """The TCP ports process `pid` listens on: its sockets (/proc/<pid>/fd) among the listening
+  rows of its network namespace's tables."""
+  inodes = set()
+  for fd in os.listdir(f"/proc/{pid}/fd"):
+    try:
+      target = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+      continue
+    if target.startswith("socket:["):
+      inodes.add(target[len("socket:["):-1])
+  ports = set()
+  for table in ("tcp", "tcp6"):
+    with open(f"/proc/{pid}/net/{table}") as f:
+      for row in f.read().splitlines()[1:]:
+        fields = row.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+          ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+  return ports
+
+
 def _ports_of_servers(root_pid):
+  """The ports the run's parameter servers, workers and tf.data workers listen on."""
   ports = set()
   for pid in drills._descendants(root_pid):  # pylint: disable=protected-access
-    cmd = drills._cmdline(pid)  # pylint: disable=protected-access
-    if "tf_gba.distribute.server" in cmd and "--cluster_spec " in cmd:
-      spec = json.loads(cmd.split("--cluster_spec ", 1)[1].split(" --job_name", 1)[0])
-      ports |= {int(a.rsplit(":", 1)[1]) for job in ("ps", "worker") for a in spec[job]}
-    elif "tf_gba.distribute.server" in cmd:  # a tf.data worker of the shared data list
-      ports.add(int(cmd.split("--port ", 1)[1].split()[0]))
+    if drills._task(pid) is not None:  # pylint: disable=protected-access
+      ports |= _listening_ports(pid)
   return sorted(ports)
 
 

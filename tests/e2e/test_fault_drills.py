@@ -120,11 +120,30 @@ def _cmdline(pid):
     return ""
 
 
+def _task(pid):
+  """The task a local cluster's server process serves ("ps:0", "tfdata_worker:1"), else None.
+  A server forked by tf_gba.distribute.server_forker carries it as its name (its command line is
+  the forker's); one started as `python -m tf_gba.distribute.server` (TF_GBA_FORK_SERVERS=0) in
+  its arguments."""
+  try:
+    with open(f"/proc/{pid}/comm") as f:
+      name = f.read().strip()
+  except OSError:
+    return None
+  if re.fullmatch(r"(ps|worker|tfdata_worker):\d+", name):
+    return name
+  cmd = _cmdline(pid).split()
+  if "tf_gba.distribute.server" not in cmd or "--job_name" not in cmd:
+    return None
+  job = cmd[cmd.index("--job_name") + 1]
+  if job == "tfdata_worker":  # numbered by port; the tests need any one of them
+    return "tfdata_worker:?"
+  return f"{job}:{cmd[cmd.index('--task_index') + 1]}" if "--task_index" in cmd else None
+
+
 def _server(root_pid, job, index):
   for pid in _descendants(root_pid):
-    cmd = _cmdline(pid)
-    if ("tf_gba.distribute.server" in cmd and f"--job_name {job} " in cmd and
-        f"--task_index {index} " in cmd):
+    if _task(pid) == f"{job}:{index}":
       return pid
   pytest.fail(f"no {job}:{index} server under process {root_pid}")
 
@@ -351,7 +370,10 @@ def test_replicated_modes_resume_from_the_last_checkpoint_after_a_lost_server(
   # Nothing else on stderr: each loss is said once (and the restart that follows it).
   assert len([l for l in run.err if l.strip()]) == 2 * summary["restarts"], err
   assert summary["target_global_step"] == summary["global_step"] == _STEPS
-  assert summary["steps_redone"] <= (_CHECKPOINT_EVERY + 2) * summary["restarts"]
+  # At most two intervals and the steps in flight per restart: the kill can land while the next
+  # periodic checkpoint is written (it reads the replicas as they train, so the steps go on and
+  # a slow machine lets the test's kill come late), and that checkpoint is lost with the server.
+  assert summary["steps_redone"] <= (2 * _CHECKPOINT_EVERY + 2) * summary["restarts"]
   if summary["restarts"] == 1:
     # Redone: the global step of the last progress line before the resumption (each line is
     # reported as it is printed) minus the step resumed from. It may be 0: the kill lands when
@@ -371,8 +393,7 @@ def test_replicated_modes_resume_from_the_last_checkpoint_after_a_lost_server(
 
 def _tfdata_worker(root_pid):
   for pid in _descendants(root_pid):
-    cmd = _cmdline(pid)
-    if "tf_gba.distribute.server" in cmd and "--job_name tfdata_worker " in cmd:
+    if (_task(pid) or "").startswith("tfdata_worker:"):
       return pid
   pytest.fail(f"no tf.data worker under process {root_pid}")
 

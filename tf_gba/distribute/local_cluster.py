@@ -1,7 +1,8 @@
 """A real multi-process parameter-server cluster on 127.0.0.1, for laptops, tests and demos.
 
-Each PS and worker is a separate `python -m tf_gba.distribute.server` process with the op
-libraries loaded; this process becomes the coordinator ("chief"). The cluster is always torn down:
+Each PS and worker is a separate process running `tf_gba.distribute.server` with the op
+libraries loaded (forked from one process that has imported TensorFlow already:
+`tf_gba.distribute.server_forker`); this process becomes the coordinator ("chief"). The cluster is always torn down:
 on leaving the `with` block (also by an exception or Ctrl-C), at interpreter exit, and the servers
 exit by themselves if this process dies.
 
@@ -28,6 +29,8 @@ import time
 from typing import Dict, List, Optional
 
 import tensorflow as tf
+
+from tf_gba.distribute import server_forker
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
@@ -188,9 +191,14 @@ class LocalCluster:
              "--cluster_spec", json.dumps(self.cluster_spec), "--job_name", job,
              "--task_index", str(index), "--inter_op_threads", str(self._inter_op),
              "--exit_with_parent"]
+    # A session of its own, so Ctrl-C in a terminal reaches only us; we stop the servers.
     # Appended to: a restarted server's log follows the one of the process it replaces.
+    if server_forker.enabled():
+      open(log, "ab").close()  # there before the fork writes it: the readiness check reads it
+      forker = server_forker.for_env(env, self._logdir)
+      self._procs[name] = forker.spawn(name, cmd[3:], log, env, new_session=True)
+      return
     with open(log, "ab") as f:
-      # A session of its own, so Ctrl-C in a terminal reaches only us; we stop the servers.
       self._procs[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                            stdin=subprocess.DEVNULL, env=env,
                                            start_new_session=True)

@@ -1,0 +1,253 @@
+"""Starts a LocalCluster's servers as forks of one process that has imported TensorFlow already.
+
+Why: importing TensorFlow (and loading tf_gba's op libraries) costs about 7 CPU-seconds on a
+2-core machine, and almost nothing of a server's start-up is anything else. A binary run with 1 PS,
+2 workers and 2 tf.data workers spent 35 of its 48 CPU-seconds importing TensorFlow in its five
+servers, and a test module that starts ten clusters paid it forty times. The forker pays it once
+per process that starts clusters: each server is then a fork of it (milliseconds), running the
+same `tf_gba.distribute.server.main` a `python -m tf_gba.distribute.server` process runs.
+
+Forking is safe here because the forker never creates a TensorFlow context, a server or a
+thread of its own before it forks; each child starts its server after the fork, as a fresh
+process would. The environment a child gets is applied before its server starts; only what
+TensorFlow reads while it is imported (the log level, oneDNN, the Python path) must match the
+forker's own, so clusters whose environments differ there get a forker each (`for_env`).
+`TF_GBA_FORK_SERVERS=0` turns this off: every server is then a process of its own again.
+
+A server keeps what the LocalCluster relies on: its own session (process group) when asked, its
+log as stdout and stderr, its exit with its launcher (here the forker, which exits when the
+process that started it goes), and a name that says which task it is (`/proc/<pid>/comm`:
+"ps:0", "worker:1", "tfdata_worker:0"), since its command line is the forker's.
+
+Protocol (one JSON object per line): the client writes {"op": "spawn", ...} or {"op": "poll",
+"pid": N} to the forker's stdin; the forker answers {"pid": N} or {"returncode": N or null} on
+its stdout.
+"""
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import Dict, List, Optional
+
+ENV_SWITCH = "TF_GBA_FORK_SERVERS"
+# What TensorFlow and Python read while the forker imports them; a cluster whose environment
+# differs in these needs a forker of its own.
+_IMPORT_TIME_PREFIXES = ("TF_CPP_", "TF_ENABLE_", "TF_USE_LEGACY_KERAS", "OMP_", "MKL_", "KMP_",
+                         "PYTHON", "LD_")
+
+
+def enabled() -> bool:
+  return os.environ.get(ENV_SWITCH, "1") not in ("0", "false", "False", "")
+
+
+# ---- the forker process ------------------------------------------------------------------------
+def _name_process(name: str) -> None:
+  """Sets /proc/self/comm (15 bytes at most), what `ps -o comm`, `top` and the tests read."""
+  try:
+    with open("/proc/self/comm", "w", encoding="utf-8") as f:
+      f.write(name[:15])
+  except OSError:
+    pass  # not Linux, or no /proc: the name is only a convenience
+
+
+def _run_child(request, protocol_fds) -> None:
+  """In a forked child: becomes the server `request` describes; never returns."""
+  code = 1
+  try:
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+      signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if request.get("new_session"):
+      os.setsid()
+    for fd in protocol_fds:
+      os.close(fd)
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    _name_process(request["name"])
+    from tf_gba.distribute import server  # pylint: disable=g-import-not-at-top
+    code = server.main(request["argv"])
+  except SystemExit as e:
+    code = e.code if isinstance(e.code, int) else 1
+  except BaseException:  # pylint: disable=broad-except
+    traceback.print_exc()
+  finally:
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except (OSError, ValueError):
+        pass
+    os._exit(code)  # pylint: disable=protected-access
+
+
+def _serve(proto_in: int, proto_out: int) -> None:
+  statuses: Dict[int, int] = {}
+
+  def reap(*_):
+    while True:
+      try:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+      except ChildProcessError:
+        return
+      if pid == 0:
+        return
+      statuses[pid] = os.waitstatus_to_exitcode(status)
+
+  signal.signal(signal.SIGCHLD, reap)
+  parent = os.getppid()
+  pending = b""
+  while True:
+    # The launcher's end of the pipe closes when it exits, and a read then returns b"". Polled
+    # as well: a process it forked may still hold that end open.
+    ready, _, _ = select.select([proto_in], [], [], 1.0)
+    if os.getppid() != parent:
+      return
+    if not ready:
+      continue
+    chunk = os.read(proto_in, 65536)
+    if not chunk:
+      return
+    pending += chunk
+    while b"\n" in pending:
+      line, pending = pending.split(b"\n", 1)
+      request = json.loads(line)
+      if request["op"] == "spawn":
+        pid = os.fork()
+        if pid == 0:
+          _run_child(request, (proto_in, proto_out))
+        reply = {"pid": pid}
+      elif request["op"] == "poll":
+        reap()
+        reply = {"returncode": statuses.get(request["pid"])}
+      else:
+        reply = {"error": f"unknown op {request['op']!r}"}
+      os.write(proto_out, json.dumps(reply).encode("utf-8") + b"\n")
+
+
+def main() -> int:
+  # The protocol moves off fds 0 and 1, which become /dev/null and the forker's log (stderr),
+  # so nothing a child inherits there reaches the pipes.
+  proto_in, proto_out = os.dup(0), os.dup(1)
+  null = os.open(os.devnull, os.O_RDONLY)
+  os.dup2(null, 0)
+  os.close(null)
+  os.dup2(2, 1)
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops the servers, not Ctrl-C
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+  import tf_gba  # pylint: disable=g-import-not-at-top,unused-import
+  from tf_gba.data import data_list  # pylint: disable=g-import-not-at-top,unused-import
+  from tf_gba.distribute import server  # pylint: disable=g-import-not-at-top,unused-import
+  from tf_gba.ops import loader  # pylint: disable=g-import-not-at-top
+  loader.load_all()
+  os.write(proto_out, b'{"ready": true}\n')
+  _serve(proto_in, proto_out)
+  return 0
+
+
+# ---- the client (in the LocalCluster's process) ------------------------------------------------
+class ForkedServer:
+  """A server forked by the forker: what LocalCluster uses of a `subprocess.Popen`."""
+
+  def __init__(self, forker: "Forker", pid: int):
+    self._forker, self.pid, self.returncode = forker, pid, None
+
+  def poll(self) -> Optional[int]:
+    if self.returncode is None:
+      self.returncode = self._forker.returncode(self.pid)
+    return self.returncode
+
+  def wait(self, timeout: Optional[float] = None) -> int:
+    deadline = None if timeout is None else time.time() + timeout
+    while self.poll() is None:
+      if deadline is not None and time.time() > deadline:
+        raise subprocess.TimeoutExpired(f"forked server {self.pid}", timeout)
+      time.sleep(0.02)
+    return self.returncode
+
+
+class Forker:
+  """One forker process; `spawn` starts a server as its fork."""
+
+  def __init__(self, env: Dict[str, str], log_path: str, start_timeout: float = 120.0):
+    self._lock = threading.Lock()
+    self._log_path = log_path
+    with open(log_path, "ab") as log:
+      self._proc = subprocess.Popen(
+          [sys.executable, "-m", "tf_gba.distribute.server_forker"], stdin=subprocess.PIPE,
+          stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+    self._reply(start_timeout)
+
+  def alive(self) -> bool:
+    return self._proc.poll() is None
+
+  def _reply(self, timeout: Optional[float] = None) -> dict:
+    if timeout is not None:
+      ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+      if not ready:
+        self._proc.kill()
+        raise TimeoutError(f"the server forker did not start in {timeout:.0f} s; its log: "
+                           f"{self._log_path}")
+    line = self._proc.stdout.readline()
+    if not line:
+      with open(self._log_path, "rb") as f:
+        tail = f.read().decode("utf-8", "replace")[-4000:]
+      raise RuntimeError(f"the server forker exited (code {self._proc.wait()}); its log:\n{tail}")
+    return json.loads(line)
+
+  def _ask(self, request: dict) -> dict:
+    with self._lock:
+      self._proc.stdin.write(json.dumps(request).encode("utf-8") + b"\n")
+      self._proc.stdin.flush()
+      return self._reply()
+
+  def spawn(self, name: str, argv: List[str], log: str, env: Dict[str, str],
+            new_session: bool = True) -> ForkedServer:
+    reply = self._ask({"op": "spawn", "name": name, "argv": argv, "log": log, "env": env,
+                       "cwd": os.getcwd(), "new_session": new_session})
+    return ForkedServer(self, reply["pid"])
+
+  def returncode(self, pid: int) -> Optional[int]:
+    try:
+      return self._ask({"op": "poll", "pid": pid})["returncode"]
+    except (OSError, RuntimeError, ValueError):
+      # The forker is gone: its servers follow it (their parent watch); one still there counts
+      # as running until it has.
+      try:
+        os.kill(pid, 0)
+        return None
+      except ProcessLookupError:
+        return -signal.SIGKILL
+
+
+_FORKERS: Dict[tuple, Forker] = {}
+_FORKERS_LOCK = threading.Lock()
+
+
+def for_env(env: Dict[str, str], log_dir: str) -> Forker:
+  """The forker of this process for servers with environment `env` (started on first use; kept
+  for the process's later clusters)."""
+  key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME_PREFIXES)))
+  with _FORKERS_LOCK:
+    forker = _FORKERS.get(key)
+    if forker is None or not forker.alive():
+      forker = Forker(env, os.path.join(log_dir, "server_forker.log"))
+      _FORKERS[key] = forker
+    return forker
+
+
+if __name__ == "__main__":
+  sys.exit(main())
