@@ -5,8 +5,9 @@ checkpoints: what the rerun resumes from is the checkpoint the signal wrote. The
 the run within the steps in flight, with exit 143 and one line on stderr naming that checkpoint;
 the rerun of the same command resumes from it, trains nothing twice, ends at the global step of
 an undisturbed run, with an AUC within noise of it (test_fault_drills._check_auc). On a
-parameter-server mode (gba: the job runs under the binary's supervisor, which forwards the signal)
-and on sync (the workers, in sessions of their own, stop together at a progress line).
+parameter-server mode (gba: the job runs under the binary's supervisor, which forwards the signal),
+on sync (the workers, in sessions of their own, stop together at a progress line) and on DTS (the
+workers stop together at a step the launcher names).
 """
 
 import os
@@ -32,10 +33,12 @@ _STOPPED = re.compile(r"train\.py: stopped by SIGTERM at global step (\d+): chec
 
 
 def _command(mode, model_dir):
+  cluster = (["--num_workers=2"] if mode == "dts" else  # DTS: no PS, no stragglers
+             ["--num_ps=1", "--num_workers=2", "--stragglers=none"])
   return [sys.executable, os.path.join(_ROOT, "examples", "train.py"), f"--mode={mode}",
-          "--num_ps=1", "--num_workers=2", f"--steps={_STEPS}", f"--log_every={_LOG_EVERY}",
-          "--local_batch_size=64", "--eval_examples=4096", "--stragglers=none",
-          "--data_options=num_examples=20000", f"--model_dir={model_dir}"]
+          *cluster, f"--steps={_STEPS}", f"--log_every={_LOG_EVERY}", "--local_batch_size=64",
+          "--eval_examples=4096", "--data_options=num_examples=20000",
+          f"--model_dir={model_dir}"]
 
 
 def _run(mode, model_dir):
@@ -90,4 +93,53 @@ def test_sigterm_checkpoints_and_the_rerun_resumes_from_it(tmp_path, mode):
   if data_list:
     assert data_list["restored_batches"] + data_list["batches"] == _STEPS
     assert data_list["duplicates"] == 0
+  _check_auc(summary, reference)
+
+
+def test_sigterm_stops_dts_workers_together_and_the_rerun_resumes(tmp_path):
+  """DTS's workers cannot vote on stopping (their exchanges own the collectives): at SIGTERM the
+  launcher names a step a few past every worker's report (tf_gba.training.dts_job.StopAgreement),
+  where all of them synchronize and write their checkpoints; the rerun resumes there."""
+  reference_dir = str(tmp_path / "undisturbed")
+  reference_run = _run("dts", reference_dir)
+  assert reference_run.finish(time.time() + _TIME_LIMIT_S) == 0, (
+      "".join(reference_run.err)[-3000:])
+  reference = _summary(reference_dir)
+  per_worker = _STEPS // 2
+
+  model_dir = str(tmp_path / "m")
+  at = random.Random(os.getpid()).choice(range(5, per_worker // 2))
+  deadline = time.time() + _TIME_LIMIT_S
+  run = _run("dts", model_dir)
+  report = os.path.join(model_dir, "tf_gba_stop_request.worker_0")  # worker 0's step
+  while True:
+    assert time.time() < deadline and run.proc.poll() is None, "".join(run.err)[-3000:]
+    try:
+      with open(report) as f:
+        if int(f.read() or 0) >= at:
+          break
+    except (FileNotFoundError, ValueError):
+      pass
+    time.sleep(0.05)
+  run.proc.send_signal(signal.SIGTERM)
+  assert run.finish(deadline) == 143, (at, "".join(run.err)[-3000:])
+  err = [l for l in "".join(run.err).splitlines() if l.strip()]
+  assert len(err) == 1, (at, err)
+  match = _STOPPED.fullmatch(err[0])
+  assert match, err
+  global_step, checkpoint = int(match.group(1)), match.group(2)
+  assert checkpoint == os.path.join(model_dir, "dts", "worker_0", f"ckpt-{global_step}")
+  assert all(os.path.exists(os.path.join(model_dir, "dts", f"worker_{i}",
+                                         f"ckpt-{global_step}.index")) for i in range(2))
+  # The step named: past `at`, by at most the margin (delay 4 + period 4, defaults) and the steps
+  # a worker took between its report and the request.
+  assert at < global_step <= at + 2 + 2 * (4 + 4) + 10, (at, global_step)
+  assert not os.path.exists(os.path.join(model_dir, "summary.json"))
+
+  rerun = _run("dts", model_dir)
+  assert rerun.finish(time.time() + _TIME_LIMIT_S) == 0, "".join(rerun.err)[-3000:]
+  summary = _summary(model_dir)
+  assert summary["start_global_step"] == global_step
+  assert summary["global_step"] == reference["global_step"] == per_worker
+  assert summary["steps"] == (per_worker - global_step) * 2  # nothing trained twice
   _check_auc(summary, reference)

@@ -12,6 +12,8 @@ run in the same order on every worker. Under a single-process MirroredStrategy `
 import dataclasses
 import math
 import os
+import signal
+import threading
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -43,6 +45,73 @@ def _worker_checkpoint_dir(checkpoint_dir: str, strategy) -> str:
   return os.path.join(checkpoint_dir, f"worker_{strategy.cluster_resolver.task_id or 0}")
 
 
+STOP_FILE = "tf_gba_stop_request"
+# Steps past the furthest worker's report where the workers stop: a worker may run ahead of the
+# slowest by up to `delay + period` steps before it waits on an exchange, and each report is up
+# to a step old.
+_STOP_MARGIN = 2
+
+
+class StopAgreement:
+  """How DTS's workers stop together, at a signal, without a collective of their own.
+
+  DTS's exchanges run collectives in a thread of their own, and collectives must run in the same
+  order on every worker, so the loop cannot all-reduce a "stop now" vote as sync does. Instead
+  each worker reports its step in a file beside `path` before each step, and the launcher, asked
+  to stop, writes into `path` one step past every report (`request`); each worker stops when it
+  reaches that step, where all then synchronize and write their checkpoints.
+  """
+
+  def __init__(self, path: str, task: int = 0):
+    self.path, self.task = path, task
+
+  def _progress(self, task: int) -> str:
+    return f"{self.path}.worker_{task}"
+
+  @staticmethod
+  def _write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.write(text)
+    os.replace(tmp, path)  # a reader sees the whole number or nothing
+
+  def report(self, step: int) -> None:
+    self._write(self._progress(self.task), str(step))
+
+  def target(self) -> Optional[int]:
+    """The step to stop at, once the launcher has written it."""
+    try:
+      with open(self.path, encoding="utf-8") as f:
+        return int(f.read())
+    except (FileNotFoundError, ValueError):
+      return None
+
+  def clear(self, num_workers: int) -> None:
+    for path in [self.path] + [self._progress(i) for i in range(num_workers)]:
+      if os.path.exists(path):
+        os.remove(path)
+
+  def request(self, num_workers: int, margin: int, done: Callable[[], bool]) -> Optional[int]:
+    """Waits for every worker's report (or for `done()`), then writes the step to stop at."""
+    steps = []
+    while not done():
+      steps = []
+      for i in range(num_workers):
+        try:
+          with open(self._progress(i), encoding="utf-8") as f:
+            steps.append(int(f.read()))
+        except (FileNotFoundError, ValueError):
+          break
+      if len(steps) == num_workers:
+        break
+      time.sleep(0.05)
+    if len(steps) != num_workers:
+      return None
+    target = max(steps) + margin
+    self._write(self.path, str(target))
+    return target
+
+
 def evaluate_binary(model, dataset) -> Dict[str, float]:
   """AUC and log loss of `model` (probabilities) on a dataset of (features, labels) batches."""
   predict = tf.function(lambda x: model(x, training=False))
@@ -63,7 +132,8 @@ def train_dts(model_fn: Callable[[], keras.Model],
               eval_dataset_fn: Optional[Callable[[], tf.data.Dataset]] = None,
               checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0,
               log_every: int = 0, global_batch_size: Optional[int] = None,
-              exchange_timeout_s: float = 600.0) -> Dict:
+              exchange_timeout_s: float = 600.0,
+              stop: Optional[StopAgreement] = None) -> Dict:
   """Trains a binary-label tf_keras model with DTS and returns a summary.
 
   Args:
@@ -85,6 +155,8 @@ def train_dts(model_fn: Callable[[], keras.Model],
     global_batch_size: examples per step over all replicas; if given, the summary also has
       `examples_per_sec`.
     exchange_timeout_s: see `DTSTrainer`.
+    stop: where the launcher asks the workers to stop (`StopAgreement`); at the step it names,
+      every worker synchronizes and writes its checkpoint, and the summary has `interrupted`.
 
   Returns:
     dict with the configuration, `steps_per_sec` (steady state: the first `delay + period - 1`
@@ -135,7 +207,18 @@ def train_dts(model_fn: Callable[[], keras.Model],
     first = trainer.steps
     begin = time.perf_counter()
     timed_from, timed_steps = begin, 0
+    interrupted = False
     while trainer.steps < steps:
+      if stop is not None:
+        stop.report(trainer.steps)
+        target = stop.target()
+        if target is not None and trainer.steps >= target:
+          if trainer.steps > target:
+            raise RuntimeError(
+                f"asked to stop at step {target}, but this worker is at step {trainer.steps} "
+                "already; the run's steps since its last checkpoint are lost.")
+          interrupted = True
+          break
       losses.append(trainer.step(iterator))
       done = trainer.steps
       if done - first == warmup:
@@ -150,8 +233,9 @@ def train_dts(model_fn: Callable[[], keras.Model],
     if timed_steps == 0:  # Too few steps to leave out the warm-up.
       timed_from, timed_steps = begin, len(losses)
     trainer.synchronize()
+    saved = None
     if manager is not None:
-      manager.save(checkpoint_number=trainer.steps)
+      saved = manager.save(checkpoint_number=trainer.steps)
     summary = {
         "mode": "dts", "inner": inner, "delay": delay, "period": period,
         "latency_ms": float(latency_ms), "learning_rate": learning_rate,
@@ -163,6 +247,9 @@ def train_dts(model_fn: Callable[[], keras.Model],
         "exchanges": trainer.exchange.num_started,
         "blocked_seconds": trainer.exchange.blocked_seconds,
     }
+  if interrupted:
+    summary.update(interrupted=True, checkpoint=saved)
+    return summary  # the rerun evaluates at its end
   if global_batch_size:
     summary["examples_per_sec"] = summary["steps_per_sec"] * global_batch_size
   if eval_dataset_fn is not None:
@@ -173,7 +260,9 @@ def train_dts(model_fn: Callable[[], keras.Model],
 
 
 
-def run_worker(config: dict) -> dict:
+def run_worker(config: dict, stop_file: Optional[str] = None) -> dict:
+  """One DTS worker of the binary's run (its TF_CONFIG set by run_collective_cluster).
+  `stop_file`: the `StopAgreement` path through which the launcher stops the run at a signal."""
   cfg = TrainConfig(**config)
   strategy = tf.distribute.MultiWorkerMirroredStrategy()
   num_workers = strategy.num_replicas_in_sync
@@ -197,7 +286,9 @@ def run_worker(config: dict) -> dict:
       dataset_fn=dataset_fn, steps=max(1, cfg.steps // num_workers), delay=cfg.dts_delay,
       period=cfg.dts_period, latency_ms=cfg.dts_latency_ms, strategy=strategy,
       inner=cfg.dts_inner, learning_rate=cfg.learning_rate, momentum=cfg.dts_momentum,
-      eval_dataset_fn=eval_dataset_fn, checkpoint_dir=os.path.join(cfg.model_dir, "dts"))
+      eval_dataset_fn=eval_dataset_fn, checkpoint_dir=os.path.join(cfg.model_dir, "dts"),
+      stop=(StopAgreement(stop_file, strategy.cluster_resolver.task_id or 0)
+            if stop_file else None))
   summary["num_workers"] = num_workers
   return summary
 
@@ -213,26 +304,32 @@ def run(config: TrainConfig) -> dict:
         f"latency={config.dts_latency_ms} ms inner={config.dts_inner} lr={config.learning_rate}",
         flush=True)
   t0 = time.time()
+  # At a signal the workers stop together a few steps on (`StopAgreement`), synchronize and write
+  # their checkpoints; the rerun resumes from them.
+  agreement = StopAgreement(os.path.join(config.model_dir, STOP_FILE))
+  agreement.clear(config.num_workers)  # a previous run's
+  finished = threading.Event()
 
-  def stop():
-    # DTS's exchanges run in threads of their own, between the steps: no progress point where
-    # the workers could agree to stop. The workers are ended (run_collective_cluster's cleanup).
-    raise interrupt.Interrupted(
-        interrupt.requested(), None, None,
-        detail="--mode=dts writes its checkpoints only at the end of a run, so this run's steps "
-               f"are lost; rerun the same command to train again from the checkpoints in "
-               f"{os.path.join(config.model_dir, 'dts')} (if any).")
+  def request_stop():
+    margin = _STOP_MARGIN + 2 * (config.dts_delay + config.dts_period)
+    threading.Thread(target=agreement.request, daemon=True, name="dts-stop",
+                     args=(config.num_workers, margin, finished.is_set)).start()
 
-  interrupt.on_request(stop)
+  interrupt.on_request(request_stop)
   try:
     results = collective_cluster.run_collective_cluster(
         "tf_gba.training.dts_job:run_worker", num_workers=config.num_workers,
-        kwargs={"config": dataclasses.asdict(config)}, timeout_s=3600.0,
-        log_dir=os.path.join(config.model_dir, "worker_logs"))
+        kwargs={"config": dataclasses.asdict(config), "stop_file": agreement.path},
+        timeout_s=3600.0, log_dir=os.path.join(config.model_dir, "worker_logs"))
   finally:
-    interrupt.remove_on_request(stop)
-  wall = time.time() - t0
+    finished.set()
+    interrupt.remove_on_request(request_stop)
+    agreement.clear(config.num_workers)
   first = results[0]
+  if first.get("interrupted"):
+    raise interrupt.Interrupted(interrupt.requested() or signal.SIGTERM, first["checkpoint"],
+                                int(first["steps"]))
+  wall = time.time() - t0
   steps_run = int(first.get("steps_run", first.get("steps", 0))) * config.num_workers
   qps = float(first.get("examples_per_sec") or first.get("steps_per_sec", 0.0) *
               config.local_batch_size * config.num_workers)
@@ -245,7 +342,8 @@ def run(config: TrainConfig) -> dict:
       per_worker=[{"worker": i, "steps": int(r.get("steps_run", 0)),
                    "qps": qps / config.num_workers,
                    "injected_delay_seconds": 0.0} for i, r in enumerate(results)],
-      global_step=int(first.get("steps_run", 0)),
+      global_step=int(first.get("steps", 0)),
+      start_global_step=int(first.get("steps", 0)) - int(first.get("steps_run", 0)),
       final_train_loss=first.get("final_loss"), eval_auc=first.get("eval_auc"),
       eval_logloss=first.get("eval_log_loss"), eval_examples=first.get("eval_examples"),
       checkpoint=os.path.join(config.model_dir, "dts"),
