@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional
 
 from tf_gba.common import exiting
 from tf_gba.distribute.local_cluster import free_ports
+from tf_gba.distribute import server_forker
 from tf_gba.distribute.server import _watch_parent  # pylint: disable=protected-access
 
 _LOG_TAIL_CHARS = 4000
@@ -134,7 +135,7 @@ def run_collective_cluster(target: str, num_workers: int = 2,
       [cwd] + ([base_env["PYTHONPATH"]] if base_env.get("PYTHONPATH") else []))
   base_env.update(env or {})
   kwargs_json = json.dumps(kwargs or {})
-  procs: List[subprocess.Popen] = []
+  procs: List = []  # subprocess.Popen or server_forker.ForkedServer
   logs, results_files = [], []
   try:
     for index in range(num_workers):
@@ -145,6 +146,14 @@ def run_collective_cluster(target: str, num_workers: int = 2,
         os.remove(result_path)
       logs.append(log_path)
       results_files.append(result_path)
+      argv = [f"--target={target}", f"--kwargs_json={kwargs_json}",
+              f"--result_file={result_path}"]
+      if server_forker.enabled() and python in (None, sys.executable):
+        open(log_path, "wb").close()
+        forker = server_forker.for_env(base_env, log_dir)
+        procs.append(forker.spawn(f"worker:{index}", argv, log_path, worker_env,
+                                  kind="collective_worker", cwd=cwd))
+        continue
       with open(log_path, "wb") as log:
         procs.append(subprocess.Popen(
             [python or sys.executable, "-m", "tf_gba.distribute.collective_cluster",

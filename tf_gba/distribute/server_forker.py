@@ -1,11 +1,12 @@
-"""Starts a LocalCluster's servers as forks of one process that has imported TensorFlow already.
+"""Starts local servers (and collective workers) as forks of one process that has imported TF.
 
 Why: importing TensorFlow (and loading tf_gba's op libraries) costs about 7 CPU-seconds on a
 2-core machine, and almost nothing of a server's start-up is anything else. A binary run with 1 PS,
 2 workers and 2 tf.data workers spent 35 of its 48 CPU-seconds importing TensorFlow in its five
 servers, and a test module that starts ten clusters paid it forty times. The forker pays it once
 per process that starts clusters: each server is then a fork of it (milliseconds), running the
-same `tf_gba.distribute.server.main` a `python -m tf_gba.distribute.server` process runs.
+same `tf_gba.distribute.server.main` a `python -m tf_gba.distribute.server` process runs. The
+workers of `tf_gba.distribute.collective_cluster` (sync and DTS) start the same way.
 
 Forking is safe here because the forker never creates a TensorFlow context, a server or a
 thread of its own before it forks; each child starts its server after the fork, as a fresh
@@ -78,8 +79,12 @@ def _run_child(request, protocol_fds) -> None:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     _name_process(request["name"])
-    from tf_gba.distribute import server  # pylint: disable=g-import-not-at-top
-    code = server.main(request["argv"])
+    if request.get("kind") == "collective_worker":
+      from tf_gba.distribute import collective_cluster  # pylint: disable=g-import-not-at-top
+      code = collective_cluster.main(request["argv"])
+    else:
+      from tf_gba.distribute import server  # pylint: disable=g-import-not-at-top
+      code = server.main(request["argv"])
   except SystemExit as e:
     code = e.code if isinstance(e.code, int) else 1
   except BaseException:  # pylint: disable=broad-except
@@ -215,9 +220,12 @@ class Forker:
       return self._reply()
 
   def spawn(self, name: str, argv: List[str], log: str, env: Dict[str, str],
-            new_session: bool = True) -> ForkedServer:
+            new_session: bool = True, kind: str = "server",
+            cwd: Optional[str] = None) -> ForkedServer:
+    """Forks a process running `tf_gba.distribute.server.main(argv)` (kind "server") or
+    `tf_gba.distribute.collective_cluster.main(argv)` (kind "collective_worker")."""
     reply = self._ask({"op": "spawn", "name": name, "argv": argv, "log": log, "env": env,
-                       "cwd": os.getcwd(), "new_session": new_session})
+                       "cwd": cwd or os.getcwd(), "new_session": new_session, "kind": kind})
     return ForkedServer(self, reply["pid"])
 
   def returncode(self, pid: int) -> Optional[int]:
