@@ -6,7 +6,10 @@ The binary's own lines and exit codes are in test_bad_input.py."""
 import json
 import math
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -21,6 +24,9 @@ from tf_gba.optimizers import AdaptiveRevision
 from tf_gba.training import preflight
 from tf_gba.training import recovery
 from tf_gba.training.config import TrainConfig
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _config(tmp_path, **kwargs):
@@ -293,3 +299,32 @@ def test_interrupt_request_and_message():
   finally:
     interrupt._on_request.clear()  # pylint: disable=protected-access
     interrupt.reset()
+
+
+_TWO_SIGNALS = """
+import os, signal, sys, time
+from tf_gba.common import interrupt
+interrupt.install(on_abort=lambda: open(sys.argv[1], "w").write("aborted"))
+os.kill(os.getpid(), signal.{first})
+print("asked", interrupt.requested(), flush=True)  # the first only asks: the loop goes on
+os.kill(os.getpid(), signal.{second})
+time.sleep(30)
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize("first,second,code", [("SIGTERM", "SIGTERM", 143),
+                                               ("SIGTERM", "SIGINT", 130)])
+def test_a_second_signal_ends_the_process_at_once(tmp_path, first, second, code):
+  """The first signal is a request the training loop reads at its next stop point; a second ends
+  the process at once, with the exit code of the signal that ended it, after the abort callbacks
+  (the binary removes its temporary files there)."""
+  marker = tmp_path / "aborted"
+  began = time.monotonic()
+  proc = subprocess.run([sys.executable, "-c", _TWO_SIGNALS.format(first=first, second=second),
+                         str(marker)], capture_output=True, text=True, timeout=25,
+                        env=dict(os.environ, PYTHONPATH=_ROOT))
+  assert proc.returncode == code, proc.stderr
+  assert proc.stdout == f"asked {getattr(signal, first).value}\n" and proc.stderr == ""
+  assert marker.read_text() == "aborted"
+  assert time.monotonic() - began < 20  # not the 30 s sleep
