@@ -44,7 +44,14 @@ def export_for_serving(model, path: str) -> str:
 
 
 def export_after_run(model, config, global_step: int) -> Optional[str]:
-  """The binary's export at the end of a run (`config`: a TrainConfig): the path, or None."""
+  """The binary's export at the end of a run (`config`: a TrainConfig): the path, or None.
+
+  None with --embedding=hash: a hash table is a tf_gba op's resource, which stock TensorFlow
+  cannot load (the checkpoint keeps every row; TrainConfig.validate refuses an explicit
+  --export_dir, and the run says so before it starts).
+  """
+  if getattr(config, "embedding", "vocab") == "hash":
+    return None
   root = export_dir(config.model_dir, config.export_dir)
   if root is None:
     return None
