@@ -78,9 +78,6 @@ def notices(config: TrainConfig, report: dict) -> List[str]:
     out.append(f"tf_gba: warning: {report['malformed_rows']} of the {report['rows_checked']:,} "
                f"rows checked{scope} are malformed and skipped; first: "
                f"{report['first_malformed_row']}")
-  if config.embedding == "hash" and config.export_dir is None:
-    out.append("tf_gba: --embedding=hash: no serving SavedModel is written (stock TensorFlow "
-               "cannot load the hash table); the checkpoints in --model_dir hold every row.")
   out += _corrupt_records(config.model_dir)
   return out
 
