@@ -18,6 +18,7 @@ from tests import shared_data
 from tf_gba import data as data_lib
 from tf_gba import models as models_lib
 from tf_gba.ops import hash_table_ops
+from tf_gba.training import summary as summary_lib
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = flags.FLAGS
@@ -59,6 +60,7 @@ def _run(model_dir, **overrides):
     FLAGS.unparse_flags()
   with open(os.path.join(model_dir, "summary.json")) as f:
     assert json.load(f) == json.loads(json.dumps(summary))
+  assert summary_lib.unknown_keys(summary) == []
   return summary
 
 
