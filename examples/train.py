@@ -75,6 +75,13 @@ def define_flags() -> None:
   flags.DEFINE_integer("log_every", 100, "Progress line every N worker steps.")
   flags.DEFINE_float("learning_rate", 0.001, "Adam learning rate (the same in every mode).")
   flags.DEFINE_integer("embedding_dim", 8, "Embedding width.")
+  flags.DEFINE_enum("embedding", "vocab", ["vocab", "hash"],
+                    "Categorical fields' table: 'vocab', one table over fixed vocabularies (ids "
+                    "folded modulo each one, partitioned over the parameter servers); 'hash', "
+                    "an expandable hash table over the raw ids (Criteo values as 64-bit "
+                    "fingerprints, no modulo; tf_gba.layers.HashEmbedding, docs/"
+                    "hash_embeddings.md), in the modes that update it through GBA on parameter "
+                    "servers: " + ", ".join(mode_registry.hash_embedding_modes()) + ".")
   flags.DEFINE_integer("eval_examples", 20000, "Examples of the eval split to evaluate on.")
   flags.DEFINE_integer("day", None, "Train and evaluate on one day of day-split data.")
   flags.DEFINE_integer("eval_day", None, "Evaluate on every example of this day instead of on "

@@ -21,6 +21,7 @@ from tf_gba.distribute import tf_config
 from tf_gba.optimizers import DTS
 from tf_gba.optimizers import GBA
 from tf_gba.optimizers import AdaptiveRevision
+from tf_gba.training import mode_registry
 from tf_gba.training import preflight
 from tf_gba.training import recovery
 from tf_gba.training.config import TrainConfig
@@ -111,6 +112,68 @@ def test_day_beyond_the_data_is_refused_before_any_server(tmp_path, flag, value,
   assert str(e.value) == (f"--{flag}={value}: --data=synthetic holds {days} day(s), 0 to "
                           f"{days - 1} (more with --data_options=num_days=N).")
   assert not os.path.exists(cfg.model_dir)
+
+
+# The modes whose embeddings live on parameter servers behind the GBA optimizer (written out
+# here, not read from the registry).
+_HASH_MODES = ("gba", "async", "bsp", "hop_bs", "hop_bw", "async_tuned")
+
+
+@pytest.mark.parametrize("mode", mode_registry.names())
+def test_hash_embedding_is_refused_where_no_parameter_server_hosts_it(tmp_path, mode):
+  cfg = _config(tmp_path, mode=mode, embedding="hash", steps=20)
+  if mode in _HASH_MODES:
+    cfg.validate()
+    return
+  with pytest.raises(preflight.InputError) as e:
+    preflight.check(cfg)
+  assert str(e.value) == (
+      f"--embedding=hash cannot run in --mode={mode}: the hash table lives on the parameter "
+      "servers and is updated through the GBA optimizer, which only "
+      f"{', '.join(_HASH_MODES)} have; use one of them, or --embedding=vocab.")
+  assert not os.path.exists(cfg.model_dir)
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    (dict(mode="async", async_staleness_stats=False),
+     "--embedding=hash in --mode=async needs the GBA buffers (M=1) that "
+     "--noasync_staleness_stats turns off: the bare optimizer cannot update hash rows; drop one "
+     "of the two."),
+    (dict(export_dir="/tmp/x"),
+     "--export_dir=/tmp/x: a run with --embedding=hash writes no serving SavedModel (its hash "
+     "table is a tf_gba resource that stock TensorFlow cannot load; the checkpoints hold every "
+     "row); drop --export_dir."),
+    (dict(data="criteo:/nonexistent", data_options="ids=vocab"),
+     "--data_options: 'ids' is set by --embedding (vocab: ids modulo vocab_size; hash: 64-bit "
+     "fingerprints); drop it.")])
+def test_hash_embedding_combinations_refused(tmp_path, kwargs, expected):
+  with pytest.raises(ValueError) as e:
+    _config(tmp_path, embedding="hash", steps=20, **kwargs).validate()
+  assert str(e.value) == expected
+
+
+def test_hash_embedding_reads_criteo_as_fingerprints_and_vocab_as_before(tmp_path):
+  assert _config(tmp_path, data="criteo:x", embedding="hash").data_kwargs() == {
+      "ids": "fingerprint"}
+  assert _config(tmp_path, data="criteo:x").data_kwargs() == {"ids": "vocab"}
+  # MovieLens' and the synthetic source's ids are their own either way.
+  assert _config(tmp_path, data="movielens100k:x", embedding="hash").data_kwargs() == {}
+  with pytest.raises(ValueError, match="--embedding must be one of"):
+    _config(tmp_path, embedding="table").validate()
+
+
+def test_a_checkpoint_of_the_other_embedding_is_refused(tmp_path):
+  cfg = _config(tmp_path, steps=20)
+  preflight.write_metadata(cfg)
+  with open(os.path.join(cfg.model_dir, "checkpoint"), "w") as f:
+    f.write('model_checkpoint_path: "ckpt-20"\n')
+  preflight.check_model_dir(cfg)  # the same embedding resumes
+  with pytest.raises(preflight.InputError) as e:
+    preflight.check_model_dir(_config(tmp_path, steps=20, embedding="hash"))
+  assert str(e.value) == (
+      f"--model_dir={cfg.model_dir}: this directory holds a checkpoint with --embedding=vocab "
+      "(written in mode gba); --embedding=hash cannot resume from it: pass --embedding=vocab to "
+      "resume, or another --model_dir to start afresh.")
 
 
 def test_corrupt_records_in_model_dir_are_reported(tmp_path, capsys):

@@ -10,7 +10,10 @@ Features:
   (up to millions); the log keeps them in a range a DNN trains on without per-feature statistics,
   and the few negative values (-1, -2 in I2) carry no more meaning than 0.
 * `C1..C26` (int64): id 0 is reserved for a missing value; a present value `s` maps to
-  `1 + to_hash_bucket_fast(lower(s), vocab - 1)`, so ids lie in `[0, vocab)`.
+  `1 + to_hash_bucket_fast(lower(s), vocab - 1)`, so ids lie in `[0, vocab)`. With
+  `ids="fingerprint"` (the binary's `--embedding=hash`) there is no vocabulary and no modulo: `s`
+  maps to the 64-bit Fingerprint64 of `lower(s)` as an int64 (`hash_table_ops.string_keys`, what
+  a HashEmbedding makes of the string itself), a missing value still to 0.
 
 Malformed rows (a field count other than 40, a label other than 0/1, a non-integer numeric or a
 categorical that is not 8 hex digits) are detected in the tf.data graph with one regular
@@ -43,12 +46,18 @@ import tensorflow as tf
 
 from tf_gba.data import pipeline
 from tf_gba.data.info import DataInfo
+from tf_gba.ops import hash_table_ops
 
 NUMERIC_NAMES = tuple(f"I{i}" for i in range(1, 14))
 CATEGORICAL_NAMES = tuple(f"C{i}" for i in range(1, 27))
 FIELD_NAMES = ("label",) + NUMERIC_NAMES + CATEGORICAL_NAMES
 MISSING_ID = 0
 DEFAULT_VOCAB_SIZE = 10_000
+# What a categorical value becomes (make_dataset's `ids`): a vocabulary id, or its 64-bit
+# fingerprint (no vocabulary, no modulo: a HashEmbedding's key).
+VOCAB_IDS = "vocab"
+FINGERPRINT_IDS = "fingerprint"
+IDS = (VOCAB_IDS, FINGERPRINT_IDS)
 
 _LABEL = "[01]"
 # Up to 18 digits, so every accepted integer parses without overflow.
@@ -261,7 +270,7 @@ def _check_and_report(strict: bool):
   return step
 
 
-def _parse(vocab_sizes: Mapping[str, int]):
+def _parse(vocab_sizes: Mapping[str, int], ids: str = VOCAB_IDS):
   """Batch of well-formed lines -> (features, label)."""
 
   def parse(text):
@@ -273,7 +282,10 @@ def _parse(vocab_sizes: Mapping[str, int]):
     features = {name: numeric[:, j] for j, name in enumerate(NUMERIC_NAMES)}
     for j, name in enumerate(CATEGORICAL_NAMES):
       value = fields[:, 14 + j]
-      hashed = tf.strings.to_hash_bucket_fast(tf.strings.lower(value), vocab_sizes[name] - 1) + 1
+      if ids == FINGERPRINT_IDS:
+        hashed = hash_table_ops.string_keys(tf.strings.lower(value))
+      else:
+        hashed = tf.strings.to_hash_bucket_fast(tf.strings.lower(value), vocab_sizes[name] - 1) + 1
       features[name] = tf.where(value == "", tf.constant(MISSING_ID, tf.int64), hashed)
     return features, label
 
@@ -288,7 +300,7 @@ def make_dataset(path: str, split: str = "train", batch_size: int = 256, num_sha
                  shuffle_seed: Optional[int] = 0, strict: bool = False,
                  vocab_size: Union[int, Mapping[str, int]] = DEFAULT_VOCAB_SIZE,
                  eval_every: int = 10, shuffle_buffer: int = 10_000,
-                 num_days: int = 1) -> tf.data.Dataset:
+                 num_days: int = 1, ids: str = VOCAB_IDS) -> tf.data.Dataset:
   """Reads Criteo rows as `(features, label)` batches.
 
   Args:
@@ -311,11 +323,15 @@ def make_dataset(path: str, split: str = "train", batch_size: int = 256, num_sha
       rows, before every `eval_every`-th is taken to eval) cut into `num_days` runs of
       consecutive rows; day d is rows [d * n // num_days, (d + 1) * n // num_days). Counting n
       costs one pass over the files (cached).
+    ids: "vocab", categorical ids in [0, vocab_size); "fingerprint", the value's 64-bit
+      Fingerprint64 (any int64; missing: 0), for a HashEmbedding.
   """
   pipeline.check_common_args(split, batch_size, num_shards, shard_index)
   _check_num_days(num_days)
   pipeline.check_day(day, num_days)
   sizes = _vocab_sizes(vocab_size)
+  if ids not in IDS:
+    raise ValueError(f"ids must be one of {IDS}, got {ids!r}.")
   files, split_rows = resolve_files(path, split, eval_every)
   logging.info("Criteo %s split: %d file(s) %s%s", split, len(files), files[:3],
                f", every {eval_every}th row to eval" if split_rows else "")
@@ -331,7 +347,7 @@ def make_dataset(path: str, split: str = "train", batch_size: int = 256, num_sha
     ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
   if repeat:
     ds = ds.repeat()
-  ds = ds.batch(batch_size).map(_parse(sizes), num_parallel_calls=tf.data.AUTOTUNE)
+  ds = ds.batch(batch_size).map(_parse(sizes, ids), num_parallel_calls=tf.data.AUTOTUNE)
   return ds.prefetch(tf.data.AUTOTUNE)
 
 

@@ -20,20 +20,32 @@ import tf_keras as keras
 from tf_gba.data.info import DataInfo
 from tf_gba.models.dcn import dcn
 from tf_gba.models.deepfm import deepfm
-from tf_gba.models.embedding import FieldEmbedding, NumericEmbedding
+from tf_gba.models.embedding import FieldEmbedding, FieldKeys, NumericEmbedding
+from tf_gba.models.embedding import HASH as EMBEDDING_HASH
+from tf_gba.models.embedding import KINDS as EMBEDDINGS
+from tf_gba.models.embedding import VOCAB as EMBEDDING_VOCAB
 from tf_gba.models.youtube_dnn import youtube_dnn
 
 MODELS = {"deepfm": deepfm, "dcn": dcn, "youtube_dnn": youtube_dnn}
 
 
 def build_model(name: str, info: DataInfo, embedding_dim: int = 8,
-                hidden_units: Sequence[int] = (64, 32), seed: int = 0) -> keras.Model:
-  """Builds the model called `name` ("deepfm", "dcn" or "youtube_dnn") for `info`'s features."""
+                hidden_units: Sequence[int] = (64, 32), seed: int = 0,
+                embedding: str = EMBEDDING_VOCAB) -> keras.Model:
+  """Builds the model called `name` ("deepfm", "dcn" or "youtube_dnn") for `info`'s features.
+
+  `embedding`: "vocab", the categorical fields in one partitionable table over their
+  vocabularies, or "hash", in one `tf_gba.layers.HashEmbedding` over their raw ids (no
+  vocabulary, no modulo; it needs `tf_gba.optimizers.GBA`, and a parameter-server strategy or
+  none).
+  """
   if name not in MODELS:
     raise ValueError(f"Unknown model {name!r}; choose one of {sorted(MODELS)}.")
+  if embedding not in EMBEDDINGS:
+    raise ValueError(f"embedding must be one of {EMBEDDINGS}, got {embedding!r}.")
   return MODELS[name](info, embedding_dim=embedding_dim, hidden_units=tuple(hidden_units),
-                      seed=seed)
+                      seed=seed, embedding_kind=embedding)
 
 
 __all__ = ["MODELS", "build_model", "dcn", "deepfm", "youtube_dnn", "FieldEmbedding",
-           "NumericEmbedding"]
+           "FieldKeys", "NumericEmbedding", "EMBEDDINGS", "EMBEDDING_HASH", "EMBEDDING_VOCAB"]

@@ -17,8 +17,8 @@ from tf_gba.models import tower
 
 
 def dcn(info: DataInfo, embedding_dim: int = 8, hidden_units: Sequence[int] = (64, 32),
-        seed: int = 0, num_cross_layers: int = 2,
-        projection_dim: Optional[int] = None) -> keras.Model:
+        seed: int = 0, num_cross_layers: int = 2, projection_dim: Optional[int] = None,
+        embedding_kind: str = embedding.VOCAB) -> keras.Model:
   """Builds DCN-v2 for `info`'s features; returns click probabilities [batch, 1].
 
   Example:
@@ -26,10 +26,8 @@ def dcn(info: DataInfo, embedding_dim: int = 8, hidden_units: Sequence[int] = (6
     model = dcn(tf_gba.data.data_info("synthetic"), num_cross_layers=3, projection_dim=16)
   """
   features = inputs_lib.feature_inputs(info)
-  emb = embedding.FieldEmbedding(
-      info.categorical, embedding_dim,
-      keras.initializers.RandomNormal(stddev=0.01, seed=seed),
-      name="categorical_embedding")(features)
+  emb = embedding.categorical_rows(features, info.categorical, embedding_dim, seed,
+                                   kind=embedding_kind)
   x0 = keras.layers.Flatten(name="flat_embeddings")(emb)
   if info.numeric:
     values = inputs_lib.StackFeatures(info.numeric, name="numeric_values")(features)

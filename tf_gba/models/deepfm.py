@@ -36,7 +36,7 @@ class FactorizationMachine(keras.layers.Layer):
 
 
 def deepfm(info: DataInfo, embedding_dim: int = 8, hidden_units: Sequence[int] = (64, 32),
-           seed: int = 0) -> keras.Model:
+           seed: int = 0, embedding_kind: str = embedding.VOCAB) -> keras.Model:
   """Builds DeepFM for `info`'s features; returns click probabilities [batch, 1].
 
   Example:
@@ -45,9 +45,8 @@ def deepfm(info: DataInfo, embedding_dim: int = 8, hidden_units: Sequence[int] =
     model.compile(optimizer="adam", loss="binary_crossentropy", metrics=[keras.metrics.AUC()])
   """
   features = inputs_lib.feature_inputs(info)
-  init = keras.initializers.RandomNormal(stddev=0.01, seed=seed)
-  rows = embedding.FieldEmbedding(info.categorical, embedding_dim + 1, init,
-                                  name="categorical_embedding")(features)
+  rows = embedding.categorical_rows(features, info.categorical, embedding_dim + 1, seed,
+                                    kind=embedding_kind)
   if info.numeric:
     values = inputs_lib.StackFeatures(info.numeric, name="numeric_values")(features)
     numeric_rows = embedding.NumericEmbedding(

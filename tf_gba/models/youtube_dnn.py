@@ -27,7 +27,7 @@ class PowerFeatures(keras.layers.Layer):
 
 
 def youtube_dnn(info: DataInfo, embedding_dim: int = 8, hidden_units: Sequence[int] = (64, 32),
-                seed: int = 0) -> keras.Model:
+                seed: int = 0, embedding_kind: str = embedding.VOCAB) -> keras.Model:
   """Builds the YouTube-DNN-style model for `info`'s features; returns probabilities [batch, 1].
 
   Example:
@@ -35,10 +35,8 @@ def youtube_dnn(info: DataInfo, embedding_dim: int = 8, hidden_units: Sequence[i
     model = youtube_dnn(tf_gba.data.data_info("movielens100k:/data/ml-100k"))
   """
   features = inputs_lib.feature_inputs(info)
-  emb = embedding.FieldEmbedding(
-      info.categorical, embedding_dim,
-      keras.initializers.RandomNormal(stddev=0.01, seed=seed),
-      name="categorical_embedding")(features)
+  emb = embedding.categorical_rows(features, info.categorical, embedding_dim, seed,
+                                   kind=embedding_kind)
   x = keras.layers.Flatten(name="flat_embeddings")(emb)
   if info.numeric:
     values = inputs_lib.StackFeatures(info.numeric, name="numeric_values")(features)

@@ -296,6 +296,11 @@ class GBA(wrapping.InnerOptimizerDelegation, keras.optimizers.Optimizer):
     """The token source: the GBAStrategy's (on PS 0), or this process's outside a strategy."""
     return self._token_source()
 
+  @property
+  def inner_optimizer(self) -> keras.optimizers.Optimizer:
+    """The wrapped optimizer, whose rule applies each aggregate (and, fused, each hash row's)."""
+    return self._inner
+
   def variable_index(self, variable) -> int:
     """`variable`'s index in the optimizer's variable list (its buffer is `buffer_key(index)`)."""
     if not self.is_built:

@@ -57,8 +57,11 @@ class HashBuffers:
       apply_fn: Callable[[tf.IndexedSlices, hash_table_ops.HashTableShard], tf.Operation]):
     """Pushes each shard its own rows; where a global batch completes, applies its aggregate.
 
-    Returns whether the push completed the global batch (every shard's buffer completes on the
-    same push: they all receive every step's push).
+    Returns whether the push completed shard 0's global batch. Every shard's buffer receives
+    every push, so each completes once per global batch, but not necessarily on the same push:
+    two workers' pushes can reach two parameter servers in opposite orders, and then no push
+    completes both. Shard 0 stands for the table, as one buffer does for a variable (the GBA
+    optimizer counts its global step on the push its leading buffer completes).
     """
     keys = tf.cast(grad.indices, tf.int64)
     parts, positions = self.table.partition(keys)
@@ -74,9 +77,10 @@ class HashBuffers:
 
         # Under the shard's device, the branch runs on its parameter server: no round trip.
         readies.append(tf.cond(ready, apply, lambda: tf.constant(False)))
-    if len(readies) == 1:
-      return readies[0]
-    return tf.reduce_all(tf.stack(readies))
+    # The other shards' conds run all the same (they are inputs of nothing but their own apply):
+    # tie them to the result so that none is pruned from the step's graph.
+    with tf.control_dependencies(readies[1:]):
+      return tf.identity(readies[0])
 
   def set_step(self, step) -> None:
     """Every shard's buffer at global step `step`, its pending entries discarded (a restore)."""

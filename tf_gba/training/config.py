@@ -19,6 +19,9 @@ MODES = mode_registry.names()
 # --mode=auto: starts in Sync, switches between Sync and GBA from measured step times.
 AUTO = "auto"
 MODEL_NAMES = ("deepfm", "dcn", "youtube_dnn")
+# --embedding: the categorical fields' table over fixed vocabularies (ids folded modulo each
+# vocabulary), or an expandable hash table over the raw ids (tf_gba.layers.HashEmbedding).
+EMBEDDINGS = ("vocab", "hash")
 INPUTS = ("shared", "sharded")
 # Worker steps of a run that reads static shards and sets no --steps (the original default).
 DEFAULT_STEPS = 2000
@@ -51,6 +54,8 @@ class TrainConfig:
   log_every: int = 100
   learning_rate: float = 0.001
   embedding_dim: int = 8
+  # "vocab" or "hash" (EMBEDDINGS): see examples/train.py --embedding.
+  embedding: str = "vocab"
   eval_examples: int = 20000
   day: Optional[int] = None
   # Evaluate on every example of this day (train rows, then eval rows) instead of on the eval
@@ -164,6 +169,13 @@ class TrainConfig:
       out[key.strip()] = value
     if self.data.strip().lower() == "synthetic":
       out.setdefault("num_examples", 200_000)
+    if self.data.strip().lower().startswith("criteo"):
+      if "ids" in out:
+        raise ValueError("--data_options: 'ids' is set by --embedding (vocab: ids modulo "
+                         "vocab_size; hash: 64-bit fingerprints); drop it.")
+      # A HashEmbedding takes each value's fingerprint, without vocabulary or modulo. MovieLens'
+      # and the synthetic source's ids are their own (raw, as generated) either way.
+      out["ids"] = "fingerprint" if self.embedding == "hash" else "vocab"
     return out
 
   def validate(self) -> None:
@@ -175,6 +187,10 @@ class TrainConfig:
         raise ValueError(f"--{field.name} must be a finite number, got {value}.")
     if mode.validate is not None:
       mode.validate(self)
+    if self.embedding not in EMBEDDINGS:
+      raise ValueError(f"--embedding must be one of {EMBEDDINGS}, got {self.embedding!r}.")
+    if self.embedding == "hash":
+      self._check_hash_embedding(mode)
     if self.model not in MODEL_NAMES:
       raise ValueError(f"--model must be one of {MODEL_NAMES}, got {self.model!r}.")
     if self.input not in INPUTS:
@@ -246,6 +262,24 @@ class TrainConfig:
                        "buffer's push, which --noasync_staleness_stats (the bare optimizer) does "
                        "not have: drop one of the two.")
     self.data_kwargs()
+
+  def _check_hash_embedding(self, mode) -> None:
+    """--embedding=hash needs its table on the parameter servers, updated through GBA."""
+    if not mode.hash_embedding:
+      raise ValueError(
+          f"--embedding=hash cannot run in --mode={self.mode}: the hash table lives on the "
+          "parameter servers and is updated through the GBA optimizer, which only "
+          f"{', '.join(mode_registry.hash_embedding_modes())} have; use one of them, or "
+          "--embedding=vocab.")
+    if self.export_dir:
+      raise ValueError(f"--export_dir={self.export_dir}: a run with --embedding=hash writes no "
+                       "serving SavedModel (its hash table is a tf_gba resource that stock "
+                       "TensorFlow cannot load; the checkpoints hold every row); drop "
+                       "--export_dir.")
+    if self.mode == "async" and not self.async_staleness_stats:
+      raise ValueError("--embedding=hash in --mode=async needs the GBA buffers (M=1) that "
+                       "--noasync_staleness_stats turns off: the bare optimizer cannot update "
+                       "hash rows; drop one of the two.")
 
   def interval_steps(self) -> int:
     """Worker steps of one `fit` epoch of the parameter-server modes: each progress line and each

@@ -44,7 +44,16 @@ def export_for_serving(model, path: str) -> str:
 
 
 def export_after_run(model, config, global_step: int) -> Optional[str]:
-  """The binary's export at the end of a run (`config`: a TrainConfig): the path, or None."""
+  """The binary's export at the end of a run (`config`: a TrainConfig): the path, or None.
+
+  None with --embedding=hash: a hash table is a tf_gba op's resource, which stock TensorFlow
+  cannot load (the checkpoint keeps every row; TrainConfig.validate refuses an explicit
+  --export_dir). The run says so where the export would be.
+  """
+  if getattr(config, "embedding", "vocab") == "hash":
+    print("no serving SavedModel (--embedding=hash: stock TensorFlow cannot load the hash "
+          "table; the checkpoint holds every row)", flush=True)
+    return None
   root = export_dir(config.model_dir, config.export_dir)
   if root is None:
     return None

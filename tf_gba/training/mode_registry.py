@@ -13,6 +13,7 @@ come from here. A mode is:
       flags=PS_FLAGS | {"staleness_threshold"},    # mode-specific flags it reads
       num_aggregate=_m_global_over_local,          # M: local batches per global step
       summary_fields=(),                           # summary keys it adds (training/summary.py)
+      hash_embedding=True,                         # it can train --embedding=hash
   ))
 
 Adding a mode is one `register(Mode(...))` call here, the module its `run` names, and its test.
@@ -57,6 +58,11 @@ class Mode:
   compared: bool = False
   # Examples per global step, when not --global_batch_size (default local batch x workers).
   global_batch: Optional[Callable[["TrainConfig"], int]] = None
+  # Whether the mode can train --embedding=hash: its embeddings live on the parameter servers
+  # of a GBAStrategy and are updated through tf_gba.optimizers.GBA, whose keyed buffers feed the
+  # hash table's fused update (tf_gba/layers/hash_embedding.py). The all-reduce modes (no
+  # all-gather Sync of hash rows) and ShadowSync's and ASGD's own jobs cannot host the table.
+  hash_embedding: bool = False
 
 
 _REGISTRY: Dict[str, Mode] = {}
@@ -112,6 +118,11 @@ def unused_flags_message(mode: str, unused: List[str]) -> str:
   return ("--mode={} does not use {}; drop {}".format(
       mode, ", ".join(f"--{f} (used by {', '.join(users[f])})" for f in unused),
       "it" if len(unused) == 1 else "them"))
+
+
+def hash_embedding_modes() -> Tuple[str, ...]:
+  """The modes that can train --embedding=hash."""
+  return tuple(m.name for m in _REGISTRY.values() if m.hash_embedding)
 
 
 def help_text() -> str:
@@ -190,21 +201,25 @@ register(Mode(
     flags=_COMMON | {"global_batch_size"}))
 register(Mode(
     name="gba", kind=PARAMETER_SERVER, strategy_mode="gba", compared=True,
+    hash_embedding=True,
     help="global batch gradients aggregation on parameter servers (M = global / local batch, "
          "gradients staler than --staleness_threshold dropped)",
     run=_PS_RUN, num_aggregate=_m_global_over_local,
     flags=PS_FLAGS | {"global_batch_size", "staleness_threshold"}))
 register(Mode(
     name="async", kind=PARAMETER_SERVER, strategy_mode="async", compared=True,
+    hash_embedding=True,
     help="every gradient applied on arrival (M = 1)",
     run=_PS_RUN, num_aggregate=_m_one, flags=PS_FLAGS | {"async_staleness_stats"}))
 register(Mode(
     name="bsp", kind=PARAMETER_SERVER, strategy_mode="bsp", compared=True,
+    hash_embedding=True,
     parameter="bsp_aggregate", global_batch=_baseline_global_batch,
     help="b2 = --bsp_aggregate gradients per step, whatever their version",
     run=_PS_RUN, num_aggregate=_m_baseline, flags=PS_FLAGS | {"bsp_aggregate"}))
 register(Mode(
     name="hop_bs", kind=PARAMETER_SERVER, strategy_mode="hop_bs", compared=True,
+    hash_embedding=True,
     parameter="hop_bs_bound", global_batch=_baseline_global_batch, summary_fields=_HOP_SUMMARY,
     help="N gradients per step; a worker more than b1 = --hop_bs_bound steps ahead of the "
          "slowest blocks",
@@ -212,12 +227,14 @@ register(Mode(
     flags=PS_FLAGS | {"hop_bs_bound", "hop_bs_timeout_s"}))
 register(Mode(
     name="hop_bw", kind=PARAMETER_SERVER, strategy_mode="hop_bw", compared=True,
+    hash_embedding=True,
     parameter="hop_bw_backup", global_batch=_baseline_global_batch, summary_fields=_HOP_SUMMARY,
     help="the first N - b3 gradients of each version make a step (b3 = --hop_bw_backup backup "
          "workers)",
     run=_PS_RUN, num_aggregate=_m_baseline, flags=PS_FLAGS | {"hop_bw_backup"}))
 register(Mode(
     name="async_tuned", kind=PARAMETER_SERVER, strategy_mode="async",
+    hash_embedding=True,
     help="async with its own Adagrad, learning rate and local batch (the paper's Async row)",
     run=_PS_RUN, num_aggregate=_m_one,
     flags=PS_FLAGS | {"async_tuned_learning_rate", "async_tuned_local_batch_size"}))

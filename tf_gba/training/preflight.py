@@ -34,7 +34,7 @@ MAX_MALFORMED_SHARE = 0.5
 # Written next to the checkpoints: which model (and shape) they hold, and which mode wrote them.
 METADATA_FILE = "tf_gba_checkpoint.json"
 # What must match for a checkpoint to restore; the mode and the cluster size may change.
-_MUST_MATCH = ("model", "embedding_dim")
+_MUST_MATCH = ("model", "embedding_dim", "embedding")
 
 
 class InputError(ValueError):
@@ -277,8 +277,8 @@ def write_metadata(config: TrainConfig) -> None:
   """Records which model the checkpoints of model_dir hold (atomically: written, then renamed)."""
   os.makedirs(config.model_dir, exist_ok=True)
   path = os.path.join(config.model_dir, METADATA_FILE)
-  meta = {"model": config.model, "embedding_dim": config.embedding_dim, "mode": config.mode,
-          "data": config.data}
+  meta = {"model": config.model, "embedding_dim": config.embedding_dim,
+          "embedding": config.embedding, "mode": config.mode, "data": config.data}
   with open(path + ".tmp", "w") as f:
     json.dump(meta, f, indent=2)
   os.replace(path + ".tmp", path)
@@ -289,7 +289,8 @@ def restore_mismatch_message(config: TrainConfig, error: Exception) -> str:
   meta = _read_metadata(config.model_dir) or {}
   holds = f"a {meta['model']} checkpoint" if meta.get("model") else "a checkpoint"
   return (f"--model_dir={config.model_dir}: this directory holds {holds} that does not fit "
-          f"--model={config.model} --embedding_dim={config.embedding_dim} --data={config.data} "
+          f"--model={config.model} --embedding_dim={config.embedding_dim} "
+          f"--embedding={config.embedding} --data={config.data} "
           f"({_first_line(error).split('. ')[0][:200]}); use the flags it was written with, or another "
           "--model_dir.")
 

@@ -31,6 +31,7 @@ from tf_gba.common import interrupt
 from tf_gba.common import metrics
 from tf_gba.training import config as config_lib
 from tf_gba.training import export as export_lib
+from tf_gba.training import hash_tables
 from tf_gba.training import mode_registry
 from tf_gba.training import pipelining
 from tf_gba.training import preflight
@@ -232,7 +233,8 @@ class _Job:
     self.info = data_lib.data_info(config.data, **self.data_kwargs)
     with strategy.scope():
       self.model = models_lib.build_model(config.model, self.info,
-                                          embedding_dim=config.embedding_dim, seed=config.seed)
+                                          embedding_dim=config.embedding_dim, seed=config.seed,
+                                          embedding=config.embedding)
       if config.mode == config_lib.ASYNC_TUNED:
         inner = keras.optimizers.Adagrad(config.async_tuned_learning_rate)
       else:
@@ -388,7 +390,8 @@ class _Job:
       # Outside the strategy: the same model, unsharded; a checkpoint of the sharded one
       # restores into it (TF saves sharded variables whole).
       self._eval_model = models_lib.build_model(cfg.model, self.info,
-                                                embedding_dim=cfg.embedding_dim, seed=cfg.seed)
+                                                embedding_dim=cfg.embedding_dim, seed=cfg.seed,
+                                                embedding=cfg.embedding)
       feats, labels = [], []
       for x, y in eval_dataset(cfg, self.data_kwargs):
         feats.append(x)
@@ -564,6 +567,7 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     stats = _optimizer_stats(job.optimizer)
     stats["hop_bs"] = strategy.hop_bs_stats()
     stats["hop_bw"] = strategy.hop_bw_stats()
+    tables = hash_tables.report(job.model, job.optimizer)
     # The trained model is saved before anything that can still fail (the evaluation, its
     # snapshot, the summary): a failure there loses no step.
     saved = job.save_checkpoint()
@@ -583,6 +587,9 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
                        steps_measured, t1 - t0, start_step, saved, progress.last_loss)
     if shared is not None:
       _add_data_list(summary, shared.report(), config)
+    summary["embedding"] = config.embedding
+    if tables:
+      summary["hash_tables"] = tables
     summary["skipped_checkpoints"] = job.skipped_checkpoints
     summary["periodic_checkpoints"] = len(periodic.saved) if periodic else 0
     summary.update(summary_lib.log_fields(config))

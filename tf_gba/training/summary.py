@@ -46,6 +46,7 @@ RUN_FIELDS = frozenset({
     "target_global_step", "restarts", "restart_causes", "steps_redone", "batches_reread",
     "worker_restarts", "tfdata_worker_restarts",                       # recovery
     "logs", "logs_kept",                                               # --keep_logs
+    "embedding", "hash_tables",           # --embedding; with hash, training/hash_tables.py
 })
 
 
@@ -131,6 +132,11 @@ def print_summary(s: dict) -> None:
             if s['data_list']['missed'] is not None else "")
          + (f"  STALLED: {s['data_list']['stalled']}" if s['data_list']['stalled'] else "")]
         if s.get("data_list") else []),
+      *([f"  hash table {name:<10} {t['rows']:,} rows ("
+         + " + ".join(f"{r:,}" for r in t["rows_per_shard"]) + " per parameter server), "
+         + f"{_number(t['bytes_per_row'], ',.1f')} bytes per row allocated (row floats "
+         + f"{_number(t['row_bytes'], 'd')} B)"
+         for name, t in (s.get("hash_tables") or {}).items()]),
       f"  eval AUC              {s['eval_auc']:.4f}",
       f"  eval logloss          {s['eval_logloss']:.4f}",
       f"  checkpoint            {s['checkpoint']}",

@@ -1,0 +1,41 @@
+"""The run summary's account of a model's hash tables (--embedding=hash): rows and bytes per row.
+
+For each `tf_gba.layers.HashEmbedding` of the model, read from its shards on the parameter servers
+with the table's size op (`HashTableShard.size`: rows, and the bytes the shard holds as
+`allocated_bytes` counts them, the figure benchmarks/hash_embedding.py reports per row):
+
+  rows                the table's rows (keys looked up in training; evaluation inserts none)
+  rows_per_shard      the rows of each parameter server's shard, in shard order
+  allocated_bytes     bytes of the row blocks (whole blocks of 16,384 rows) and the key index
+  bytes_per_row       allocated_bytes / rows (None without rows); a small table pays for its
+                      first block whole, so this falls toward row_bytes as the table fills
+  row_bytes           the floats of one row: dim * (1 + optimizer slots) * 4
+"""
+
+from typing import Dict
+
+from tf_gba.layers.hash_embedding import HashEmbedding
+from tf_gba.ops import hash_table_ops
+from tf_gba.optimizers import GBA
+from tf_gba.optimizers import hash_rows
+
+
+def report(model, optimizer) -> Dict[str, dict]:
+  """{layer name: the fields above} for every HashEmbedding of `model` ({} if none)."""
+  out = {}
+  slots = None
+  if isinstance(optimizer, GBA):
+    kind, _, _ = hash_rows.fused_optimizer(optimizer.inner_optimizer)
+    slots = hash_table_ops.NUM_SLOTS[kind]
+  for layer in model.layers:
+    if not isinstance(layer, HashEmbedding) or layer.table is None:
+      continue
+    sizes = [shard.size() for shard in layer.table.shards]
+    rows = [int(r.numpy()) for r, _ in sizes]
+    allocated = sum(int(b.numpy()) for _, b in sizes)
+    total = sum(rows)
+    out[layer.name] = {
+        "rows": total, "rows_per_shard": rows, "allocated_bytes": allocated,
+        "bytes_per_row": round(allocated / total, 1) if total else None,
+        "row_bytes": None if slots is None else layer.output_dim * (1 + slots) * 4}
+  return out
