@@ -38,7 +38,7 @@ _JOBS_ENV = "TF_GBA_TEST_JOBS"
 _MODULES = pytest.StashKey()    # parent: {module path: selected node ids}, in collection order
 _REPORTS = pytest.StashKey()    # parent: {module path: {node id: [reports]}}, the current module
 _SCHEDULER = pytest.StashKey()  # parent: the _Scheduler of the module processes
-_OUTCOME = object()             # key of a module's (exit code, output tail) among its reports
+_OUTCOME = object()             # key of {node id: its process's (exit code, output tail)}
 
 # Rough seconds of a module's process, for the order in which the children start: the slowest
 # first. Only the order depends on them; a module missing here (a new one) counts as
@@ -74,6 +74,20 @@ _KNOWN_SECONDS = {
     "tests/distribute/test_local_cluster.py": 190,
 }
 _DEFAULT_SECONDS = 150
+
+# Modules whose tests run in several processes (at most the number given), in parallel like
+# modules: each test waits minutes on a training binary's servers (the fault and preemption
+# drills) or runs a training job of its own, and in one process they would run one after
+# another, the run's longest chain. What drills share (an undisturbed reference run) is kept where
+# every process finds it (tests/e2e/test_fault_drills.py: _undisturbed).
+_SPLIT_MODULES = {
+    "tests/e2e/test_fault_drills.py": 9,
+    "tests/e2e/test_preemption.py": 3,
+    "tests/training/test_train_binary.py": 4,
+    "tests/training/test_shadow_cluster.py": 3,
+    "tests/training/test_bad_input.py": 3,
+    "tests/e2e/test_quiet_output.py": 2,
+}
 
 
 def pytest_addoption(parser):
@@ -182,9 +196,18 @@ def pytest_configure(config):
     config.pluginmanager.register(_ReportWriter(config), "tf_gba_report_writer")
 
 
+def _relative(config, module):
+  return os.path.relpath(module, str(config.rootpath)).replace(os.sep, "/")
+
+
 def _weight(config, module):
-  relative = os.path.relpath(module, str(config.rootpath)).replace(os.sep, "/")
-  return _KNOWN_SECONDS.get(relative, _DEFAULT_SECONDS)
+  return _KNOWN_SECONDS.get(_relative(config, module), _DEFAULT_SECONDS)
+
+
+def _chunks(config, module, nodeids):
+  """The node ids of `module`, as the groups that each run in one process."""
+  parts = min(_SPLIT_MODULES.get(_relative(config, module), 1), len(nodeids))
+  return [list(nodeids[i::parts]) for i in range(parts)]  # dealt in turn: long and short mixed
 
 
 class _Scheduler:
@@ -197,34 +220,50 @@ class _Scheduler:
     self._modules = modules
     self._jobs = _jobs(config)
     order = list(modules)
-    self._pending = sorted(order, key=lambda m: (-_weight(config, m), order.index(m)))
-    self._running = {}  # module: _Child
+    # A job: (module, chunk number, node ids). A split module's tests share its weight: its
+    # processes start together, early, as the whole module's one would.
+    self._pending = [
+        (m, i, chunk)
+        for m in sorted(order, key=lambda m: (-_weight(config, m), order.index(m)))
+        for i, chunk in enumerate(_chunks(config, m, modules[m]))]
+    self._left = collections.Counter(m for m, _, _ in self._pending)  # module: jobs not done
+    self._running = {}  # (module, chunk): _Child
     self._done = {}     # module: {nodeid: [reports], _OUTCOME: (exit code, output tail)}
-    self._seconds = {}  # module: seconds its process ran
+    self._seconds = collections.Counter()  # module: seconds its processes ran
 
   def reports(self, module):
-    """Waits for `module`'s process (starting it and others as places free up); its reports."""
-    while module not in self._done:
+    """Waits for `module`'s processes (starting them and others as places free up); its
+    reports."""
+    while self._left[module]:
       self._reap()
       stopping = self._session.shouldfail or self._session.shouldstop
       while self._pending and len(self._running) < self._jobs and not stopping:
         self._start(self._pending.pop(0))
-      if module in self._pending:  # only after a stop: the one module still wanted
-        self._pending.remove(module)
-        self._start(module)
-      if module not in self._done:
+      wanted = [job for job in self._pending if job[0] == module]
+      for job in wanted:  # only after a stop: the one module still wanted
+        self._pending.remove(job)
+        self._start(job)
+      if self._left[module]:
         time.sleep(0.05)
     return self._done.pop(module)
 
-  def _start(self, module):
-    self._running[module] = _Child(self._config, module, self._modules[module])
+  def _start(self, job):
+    module, chunk, nodeids = job
+    self._running[(module, chunk)] = _Child(self._config, module, nodeids)
 
   def _reap(self):
-    for module, child in list(self._running.items()):
+    for (module, chunk), child in list(self._running.items()):
       if child.poll() is not None:
-        del self._running[module]
-        self._done[module] = child.collect()
-        self._seconds[module] = child.seconds
+        del self._running[(module, chunk)]
+        reports = child.collect()
+        done = self._done.setdefault(module, {})
+        outcome = reports.pop(_OUTCOME)
+        done.update(reports)
+        outcomes = done.setdefault(_OUTCOME, {})  # per test: the outcome of its own process
+        for nodeid in child.nodeids:
+          outcomes[nodeid] = outcome
+        self._seconds[module] += child.seconds
+        self._left[module] -= 1
 
   def stop(self):
     """Ends the children still running (a run stopped by -x or Ctrl-C) and keeps the modules'
@@ -245,6 +284,7 @@ class _Child:
 
   def __init__(self, config, module, nodeids):
     self._config = config
+    self.nodeids = list(nodeids)
     self._tmp = tempfile.mkdtemp(prefix="tf_gba_test_module_")
     only = os.path.join(self._tmp, "only.json")
     with open(only, "w", encoding="utf-8") as f:
@@ -300,7 +340,7 @@ class _Child:
 
 def _lost_report(item, module_reports, replayed):
   """A failed report for a test its module's process did not finish (it died before or during)."""
-  returncode, tail = module_reports[_OUTCOME]
+  returncode, tail = module_reports[_OUTCOME][item.nodeid]
   when = "teardown" if any(report.when == "call" for report in replayed) else "call"
   return pytest.TestReport(
       nodeid=item.nodeid, location=item.location, keywords={}, outcome="failed",

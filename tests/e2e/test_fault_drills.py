@@ -7,9 +7,11 @@ with at most one checkpoint interval of steps trained again, and an AUC no more 
 the one of an undisturbed run. Every drill runs under a time limit: a hang fails it.
 """
 
+import fcntl
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -169,18 +171,21 @@ def _summary(model_dir):
     return json.load(f)
 
 
-_UNDISTURBED = {}
-
-
 def _undisturbed(mode, tmp_path_factory):
-  """AUC of the same run with no fault (once per mode)."""
-  if mode not in _UNDISTURBED:
-    model_dir = str(tmp_path_factory.mktemp(f"undisturbed_{mode}"))
-    deadline = time.time() + _TIME_LIMIT_S
-    run = _Run(mode, model_dir)
-    assert run.finish(deadline) == 0, "".join(run.err)[-3000:]
-    _UNDISTURBED[mode] = _summary(model_dir)
-  return _UNDISTURBED[mode]
+  """The summary of the same run with no fault: once per mode and test run. The drills run in
+  processes of their own (tests/module_process.py), so the run is kept in the run's temporary
+  directory; the first drill of a mode makes it while the others wait on its lock."""
+  shared = os.environ.get("TF_GBA_TEST_RUN_TMPDIR") or str(tmp_path_factory.getbasetemp())
+  model_dir = os.path.join(shared, f"fault_drills_undisturbed_{mode}")
+  os.makedirs(model_dir, exist_ok=True)
+  with open(os.path.join(shared, f"fault_drills_undisturbed_{mode}.lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not os.path.exists(os.path.join(model_dir, "summary.json")):
+      shutil.rmtree(model_dir)  # a run that failed part way: again from the start
+      deadline = time.time() + _TIME_LIMIT_S
+      run = _Run(mode, model_dir)
+      assert run.finish(deadline) == 0, "".join(run.err)[-3000:]
+    return _summary(model_dir)
 
 
 def _check_auc(summary, reference):
