@@ -146,6 +146,7 @@ class LocalCluster:
     self._restart_workers = restart_workers
     # Servers started again after their process died, per job.
     self.restarts = {"ps": 0, "worker": 0, "tfdata_worker": 0}
+    self.restarted_tasks = set()  # "worker:0", ...: the tasks started again
 
   # ---- lifecycle ---------------------------------------------------------------------------------
   def start(self) -> "LocalCluster":
@@ -228,6 +229,7 @@ class LocalCluster:
         if job in ("worker", "tfdata_worker") and proc.poll() is not None and not self._stopping:
           self._spawn(job, int(index))
           self.restarts[job] += 1
+          self.restarted_tasks.add(name)
       time.sleep(0.5)
 
   def dead(self, job: str = "ps") -> List[str]:

@@ -559,6 +559,8 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
         w["measured_steps"] = w["steps"]
         w["measured_in_step_seconds"] = stragglers_lib.in_step_seconds(w)
     for w in worker_stats:
+      if cluster is not None and f"worker:{w['worker']}" in cluster.restarted_tasks:
+        w["restarted"] = True  # the local cluster started it again (the counters may not say)
       if w.get("unreachable") or w.get("restarted"):
         # A worker restarted during the run: its new process counts from zero, and one that
         # could not be read reads as zeros, so its rate over the window is unknown (not the
