@@ -41,18 +41,36 @@ def test_servers_stop_when_the_block_raises():
   assert _wait_dead(pids) == []
 
 
-def test_servers_exit_when_the_launcher_is_killed():
-  # The launcher dies without any cleanup (SIGKILL); its servers notice and exit by themselves.
-  code = ("import sys, time\n"
+def _comm(pid: int) -> str:
+  with open(f"/proc/{pid}/comm") as f:
+    return f.read().strip()
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_servers_exit_when_the_launcher_is_killed(fork):
+  """The launcher dies without any cleanup (SIGKILL); its servers notice and exit by themselves,
+  whether forked from the server forker (named by their task, children of the forker) or started
+  as processes of their own (TF_GBA_FORK_SERVERS=0: children of the launcher)."""
+  code = ("import os, sys, time\n"
           "from tf_gba.distribute import LocalCluster\n"
           "c = LocalCluster(num_ps=1, num_workers=1).start()\n"
-          "print(' '.join(map(str, c.pids)), flush=True)\n"
+          "print(os.getpid(), ' '.join(map(str, c.pids)), flush=True)\n"
           "time.sleep(600)\n")
   proc = subprocess.Popen([sys.executable, "-c", code], cwd=_ROOT, stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True)
+                          stderr=subprocess.DEVNULL, text=True,
+                          env=dict(os.environ, TF_GBA_FORK_SERVERS=fork))
   try:
-    pids = [int(p) for p in proc.stdout.readline().split()]
+    launcher, *pids = [int(p) for p in proc.stdout.readline().split()]
     assert len(pids) == 2 and all(_alive(p) for p in pids)
+    parents = set()
+    for pid in pids:
+      with open(f"/proc/{pid}/stat") as f:
+        parents.add(int(f.read().rsplit(")", 1)[1].split()[1]))
+    if fork == "1":
+      assert sorted(_comm(p) for p in pids) == ["ps:0", "worker:0"]
+      assert parents != {launcher} and len(parents) == 1  # the forker
+    else:
+      assert parents == {launcher}
   finally:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
