@@ -152,7 +152,7 @@ def run_collective_cluster(target: str, num_workers: int = 2,
         open(log_path, "wb").close()
         forker = server_forker.for_env(base_env, log_dir)
         procs.append(forker.spawn(f"worker:{index}", argv, log_path, worker_env,
-                                  kind="collective_worker", cwd=cwd))
+                                  module="tf_gba.distribute.collective_cluster", cwd=cwd))
         continue
       with open(log_path, "wb") as log:
         procs.append(subprocess.Popen(

@@ -25,6 +25,7 @@ Protocol (one JSON object per line): the client writes {"op": "spawn", ...} or {
 its stdout.
 """
 
+import importlib
 import json
 import os
 import select
@@ -79,12 +80,9 @@ def _run_child(request, protocol_fds) -> None:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     _name_process(request["name"])
-    if request.get("kind") == "collective_worker":
-      from tf_gba.distribute import collective_cluster  # pylint: disable=g-import-not-at-top
-      code = collective_cluster.main(request["argv"])
-    else:
-      from tf_gba.distribute import server  # pylint: disable=g-import-not-at-top
-      code = server.main(request["argv"])
+    # The module whose main() the child runs, named by the client (the forker depends on none
+    # of them: run_collective_cluster's workers import this module to be forked).
+    code = importlib.import_module(request["module"]).main(request["argv"])
   except SystemExit as e:
     code = e.code if isinstance(e.code, int) else 1
   except BaseException:  # pylint: disable=broad-except
@@ -220,12 +218,13 @@ class Forker:
       return self._reply()
 
   def spawn(self, name: str, argv: List[str], log: str, env: Dict[str, str],
-            new_session: bool = True, kind: str = "server",
+            new_session: bool = True, module: str = "tf_gba.distribute.server",
             cwd: Optional[str] = None) -> ForkedServer:
-    """Forks a process running `tf_gba.distribute.server.main(argv)` (kind "server") or
-    `tf_gba.distribute.collective_cluster.main(argv)` (kind "collective_worker")."""
+    """Forks a process running `<module>.main(argv)`, as `python -m <module> argv` would
+    (`tf_gba.distribute.server`, or `tf_gba.distribute.collective_cluster` for its workers)."""
     reply = self._ask({"op": "spawn", "name": name, "argv": argv, "log": log, "env": env,
-                       "cwd": cwd or os.getcwd(), "new_session": new_session, "kind": kind})
+                       "cwd": cwd or os.getcwd(), "new_session": new_session,
+                       "module": module})
     return ForkedServer(self, reply["pid"])
 
   def returncode(self, pid: int) -> Optional[int]:
