@@ -1,6 +1,7 @@
 // Kernels of the expandable hash embedding table (hash_table.h): create, training and find-only
 // lookups, the fused SGD / Adagrad / LazyAdam apply, size, eviction, counters, export and
-// import, and the shard of a key. CPU only: the table is a parameter server's state, read and written by the host.
+// import, and the shard of a key. CPU only: the table is a parameter server's state, read and
+// written by the host.
 #include <algorithm>
 #include <cmath>
 #include <vector>
