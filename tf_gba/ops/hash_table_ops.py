@@ -152,13 +152,15 @@ class HashTableShard(tf.saved_model.experimental.TrackableResource):
     with tf.device(self._resource_device):
       return _ops().gba_hash_table_size(self.resource_handle)
 
-  def evict(self, global_step=-1) -> Dict[str, tf.Tensor]:
+  def evict(self, global_step=-1, with_rows: bool = True) -> Dict[str, tf.Tensor]:
     """Runs eviction (TTL, then the budget) at `global_step` (< 0: the shard's own).
 
-    Returns the removed rows: keys [n], values [n, dim], frequency [n].
+    Returns the removed rows: keys [n], values [n, dim], frequency [n] (all empty without
+    `with_rows`).
     """
     with tf.device(self._resource_device):
-      out = _ops().gba_hash_table_evict(self.resource_handle, tf.cast(global_step, tf.int64))
+      out = _ops().gba_hash_table_evict(self.resource_handle, tf.cast(global_step, tf.int64),
+                                        with_rows=with_rows)
     return dict(zip(("keys", "values", "frequency"), out))
 
   def counters(self) -> tf.Tensor:
@@ -302,7 +304,7 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
 
   def evict(self, global_step=-1) -> tf.Operation:
     """Eviction on every shard, each on its own device (see HashTableShard.evict)."""
-    return tf.group([s.evict(global_step)["keys"] for s in self._shards])
+    return tf.group([s.evict(global_step, with_rows=False)["keys"] for s in self._shards])
 
   def counters(self) -> Dict[str, int]:
     """COUNTER_FIELDS summed over the shards (eager)."""

@@ -80,7 +80,7 @@ class HashBuffers:
             # After the apply, so the shard's own step (evict's default) is this aggregate's.
             interval = tf.constant(self.table.eviction_interval, tf.int64)
             evicted = tf.cond(tf.equal(step % interval, 0),
-                              lambda: tf.size(shard.evict()["keys"]) >= 0,
+                              lambda: tf.size(shard.evict(with_rows=False)["keys"]) >= 0,
                               lambda: tf.constant(True))
             return tf.identity(evicted)
 

@@ -449,19 +449,25 @@ class HashTableExportOp : public OpKernel {
 
 class HashTableEvictOp : public OpKernel {
  public:
-  using OpKernel::OpKernel;
+  explicit HashTableEvictOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("with_rows", &with_rows_));
+  }
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<HashTable> table;
     OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "hash table", &table));
     int64_t step;
     OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 1, "global_step", &step));
     HashTable::Evicted removed;
-    table->Evict(step, &removed);
+    // Without the rows, an eviction of many rows allocates nothing for them.
+    table->Evict(step, with_rows_ ? &removed : nullptr);
     const int64_t n = static_cast<int64_t>(removed.keys.size());
     OP_REQUIRES_OK(ctx, CopyOut(ctx, 0, TensorShape({n}), removed.keys));
     OP_REQUIRES_OK(ctx, CopyOut(ctx, 1, TensorShape({n, table->dim()}), removed.values));
     OP_REQUIRES_OK(ctx, CopyOut(ctx, 2, TensorShape({n}), removed.frequency));
   }
+
+ private:
+  bool with_rows_;
 };
 
 class HashTableCountersOp : public OpKernel {

@@ -164,6 +164,7 @@ REGISTER_OP("GBA>HashTableEvict")
     .Output("keys: int64")
     .Output("values: float")
     .Output("frequency: int64")
+    .Attr("with_rows: bool = true")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused;
@@ -178,7 +179,8 @@ REGISTER_OP("GBA>HashTableEvict")
 Eviction at global_step (< 0: the table's own): removes the rows with
 global_step - last_seen > ttl_steps (and forgets pending counts last seen that long ago), then,
 while more than max_rows remain, the lowest frequency, ties to the oldest last_seen, then to the
-smallest key. Outputs the removed rows' keys, values and frequencies.
+smallest key. Outputs the removed rows' keys, values and frequencies (empty with
+with_rows = false: the periodic and pre-checkpoint evictions, which need none of them).
 )doc");
 
 REGISTER_OP("GBA>HashTableCounters")
