@@ -288,3 +288,24 @@ def test_bad_options_get_one_line():
     hash_table_ops.ShardedHashTable(DIM, devices=["", "", ""], max_rows=2)
   with pytest.raises(ValueError, match="eviction_interval must be an integer >= 1"):
     hash_table_ops.ShardedHashTable(DIM, eviction_interval=0)
+
+
+def test_checkpoint_entries_of_a_table_without_admission_are_the_rows_only(tmp_path):
+  # So a checkpoint written before admission existed, or by a table without it, restores into a
+  # table that only evicts; a table with admission adds its pending counts.
+  def entries(path):
+    return {n.rsplit("/", 1)[1] for n, _ in tf.train.list_variables(path)
+            if n.startswith("t/.ATTRIBUTES/")}
+
+  table = hash_table_ops.ShardedHashTable(DIM, seed=SEED)
+  table.lookup(tf.constant([1, 2, 3], tf.int64), 0)
+  path = tf.train.Checkpoint(t=table).write(str(tmp_path / "plain"))
+  assert entries(path) == set(hash_table_ops.EXPORT_FIELDS)
+  evicting = hash_table_ops.ShardedHashTable(DIM, seed=SEED, ttl_steps=5, max_rows=2)
+  tf.train.Checkpoint(t=evicting).read(path).assert_consumed()
+  # Restored as saved: eviction runs at its interval and before the next save, not on restore.
+  assert sorted(evicting.export()["keys"].numpy().tolist()) == [1, 2, 3]
+  admitting = hash_table_ops.ShardedHashTable(DIM, seed=SEED, min_frequency=2)
+  admitting.lookup(tf.constant([1], tf.int64), 0)
+  path = tf.train.Checkpoint(t=admitting).write(str(tmp_path / "admitting"))
+  assert entries(path) == set(hash_table_ops.EXPORT_FIELDS + hash_table_ops.PENDING_FIELDS)

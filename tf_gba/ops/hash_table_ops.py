@@ -204,8 +204,9 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
   device) and stitch the rows back in the keys' order.
 
   Checkpoint entries: `keys`, `values`, `slots`, `tags`, `frequency`, `last_seen`: every row of
-  every shard, and `pending_keys`, `pending_counts`, `pending_last_seen`: admission's counts
-  (gathered on save; any order). Restoring re-shards by key into this table's shards. With
+  every shard, and, with `min_frequency` > 1, `pending_keys`, `pending_counts`,
+  `pending_last_seen`: admission's counts (gathered on save; any order). A table without
+  admission saves and reads the six row entries only, as before admission existed. Restoring re-shards by key into this table's shards. With
   `ttl_steps` or `max_rows`, every shard evicts before its rows are saved.
 
   `eviction_interval`: the GBA optimizer runs `evict` on each shard every that many global steps
@@ -335,13 +336,18 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
     return tf.group(ops)
 
   # ---- checkpointing ---------------------------------------------------------------------------
+  def _checkpoint_fields(self) -> Tuple[str, ...]:
+    return EXPORT_FIELDS + (PENDING_FIELDS if self.min_frequency > 1 else ())
+
   def _serialize_to_tensors(self):
     if not self.evicts:
-      return self.export()
-    # Rows past their time-to-live or over the budget are not saved (SPEC section 6: eviction runs
-    # before every checkpoint).
-    with tf.control_dependencies([self.evict()]):
-      return self.export()
+      rows = self.export()
+    else:
+      # Rows past their time-to-live or over the budget are not saved (SPEC section 6: eviction
+      # runs before every checkpoint).
+      with tf.control_dependencies([self.evict()]):
+        rows = self.export()
+    return {f: rows[f] for f in self._checkpoint_fields()}
 
   def _restore_from_tensors(self, restored_tensors):
     return self.import_rows(restored_tensors)
