@@ -2,6 +2,8 @@
 
   python -m benchmarks.hash_embedding [--keys=20000000] [--shards=2] [--dim=16]
       [--optimizer=adagrad] [--batch=4096] [--fields=26] [--vocab=1000000] [--steps=20]
+  python -m benchmarks.hash_embedding --budget_stream [--stream_keys=20000000] [--max_rows=1000000]
+      [--min_frequency=2] [--ttl_steps=4] [--stream_steps=40] [--repeat_share=0.2]
 
 Three measurements, one process, one after the other:
   memory      `keys` random int64 keys inserted into a table of `shards` shards; bytes per row as
@@ -14,6 +16,15 @@ Three measurements, one process, one after the other:
               best of `steps` after a warm-up (target: hash >= 0.8x partitioned).
   raw lookup  find-only lookups of a batch's unique ids in a filled table against
               tf.lookup.experimental.DenseHashTable holding the same keys and rows.
+With --budget_stream, one measurement instead:
+  budget      `stream_keys` keys over `stream_steps` steps, most seen once (a fresh key each), a
+              `repeat_share` of each step's keys drawn from the keys of earlier steps, into a table
+              with `min_frequency`, `ttl_steps` and `max_rows`, evicting after every step. After
+              each step: rows, pending counts, the table's bytes and the process' RSS growth,
+              against the bytes `max_rows` rows take (whole blocks of rows, the key index at its
+              emptiest) and the bytes the last step's pending counts take at most (their index
+              at its emptiest). max_rows bounds the rows only: without ttl_steps, the pending
+              counts of keys seen once grow with the stream.
 The shards all live in this process (one "parameter server" each is a device string away); what
 the numbers compare is the kernels, not the network.
 """
@@ -64,6 +75,51 @@ def memory(keys, shards, dim, optimizer, chunk=1 << 20):
   return {"rows": rows, "row_floats_bytes": row_bytes, "bytes_per_row_table": round(counted, 1),
           "bytes_per_row_rss": round(grown, 1), "target": 1.5 * row_bytes + 32,
           "within_target": counted <= 1.5 * row_bytes + 32}
+
+
+def budget_stream(stream_keys, stream_steps, repeat_share, shards, dim, optimizer, min_frequency,
+                  ttl_steps, max_rows, seed=2):
+  table = hash_table_ops.ShardedHashTable(dim, devices=[""] * shards,
+                                          min_frequency=min_frequency, ttl_steps=ttl_steps,
+                                          max_rows=max_rows)
+  table.apply(tf.zeros([0], tf.int64), tf.zeros([0, dim]), optimizer, learning_rate=0.1)
+  rng = np.random.default_rng(seed)
+  per_step = stream_keys // stream_steps
+  repeats = int(per_step * repeat_share)
+  row_bytes = dim * (1 + hash_table_ops.NUM_SLOTS[optimizer]) * 4
+  block_rows = 16384
+  per_shard = -(-max_rows // shards)
+  # A table of max_rows rows: whole blocks per shard (row floats, 24 B of tag and counters) and a
+  # key index of 17 B slots at its emptiest load, 7/16.
+  budget_bytes = (shards * -(-per_shard // block_rows) * block_rows * (row_bytes + 24)
+                  + int(max_rows * 16 / 7 * 17))
+  before = rss_bytes()
+  recent = np.zeros([0], np.int64)
+  timeline = []
+  for step in range(stream_steps):
+    fresh = rng.integers(-2**63, 2**63 - 1, size=per_step - repeats, dtype=np.int64)
+    again = (rng.choice(recent, size=min(repeats, len(recent)), replace=False)
+             if len(recent) else np.zeros([0], np.int64))
+    keys = np.concatenate([fresh, again])
+    table.lookup(tf.constant(keys), step)
+    table.evict(step + 1)
+    recent = keys  # the next step repeats some of this step's keys
+    c = table.counters()
+    timeline.append({"step": step + 1, "rows": c["rows"], "pending": c["pending"],
+                     "evicted": c["evicted"], "table_bytes": table.allocated_bytes(),
+                     "rss_growth_bytes": rss_bytes() - before})
+  last = timeline[-1]
+  # A pending count is an index slot of 25 B (key, count, last_seen), at a load of 7/16 or more.
+  pending_bytes_bound = int(last["pending"] * 16 / 7 * 25)
+  return {"keys_per_step": per_step, "repeats_per_step": repeats, "max_rows": max_rows,
+          "budget_bytes": budget_bytes, "pending_bytes_bound": pending_bytes_bound,
+          "timeline": timeline,
+          "peak_table_bytes": max(t["table_bytes"] for t in timeline),
+          "peak_rss_growth_bytes": max(t["rss_growth_bytes"] for t in timeline),
+          "rows_within_budget": all(t["rows"] <= max_rows for t in timeline),
+          # The pending counts are not bounded by max_rows: only ttl_steps forgets them.
+          "last_bytes_within_budget_and_pending": (
+              last["table_bytes"] <= budget_bytes + pending_bytes_bound)}
 
 
 def zipf_batches(steps, batch, fields, vocab, seed=1):
@@ -157,17 +213,38 @@ def main(argv=None):
   parser.add_argument("--vocab", type=int, default=1_000_000)
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--budget_stream", action="store_true",
+                      help="measure only memory over time under admission and a row budget")
+  parser.add_argument("--stream_keys", type=int, default=20_000_000)
+  parser.add_argument("--stream_steps", type=int, default=40)
+  parser.add_argument("--repeat_share", type=float, default=0.2)
+  parser.add_argument("--min_frequency", type=int, default=2)
+  parser.add_argument("--ttl_steps", type=int, default=4)
+  parser.add_argument("--max_rows", type=int, default=1_000_000)
   parser.add_argument("--dry_run", action="store_true",
                       help="check the flags, print one line and exit without running anything")
   args = parser.parse_args(argv)
-  for name in ("keys", "shards", "dim", "batch", "fields", "vocab", "steps", "repeats"):
+  for name in ("keys", "shards", "dim", "batch", "fields", "vocab", "steps", "repeats",
+               "stream_keys", "stream_steps", "max_rows"):
     if getattr(args, name) < 1:
       parser.error(f"--{name} must be >= 1, got {getattr(args, name)}.")
+  if not 0 <= args.repeat_share < 1:
+    parser.error(f"--repeat_share must be in [0, 1), got {args.repeat_share}.")
+  if args.min_frequency < 0 or args.ttl_steps < 0:
+    parser.error("--min_frequency and --ttl_steps must be >= 0 (0: off).")
+  if args.max_rows < args.shards:
+    parser.error(f"--max_rows must be >= --shards, got {args.max_rows}.")
   if args.dry_run:
     print("benchmarks.hash_embedding: dry run: flags valid; nothing measured.")
     return None
-  batches = zipf_batches(args.steps, args.batch, args.fields, args.vocab)
   result = {"args": vars(args)}
+  if args.budget_stream:
+    result["budget"] = budget_stream(args.stream_keys, args.stream_steps, args.repeat_share,
+                                     args.shards, args.dim, args.optimizer, args.min_frequency,
+                                     args.ttl_steps, args.max_rows)
+    print(json.dumps(result, indent=2))
+    return result
+  batches = zipf_batches(args.steps, args.batch, args.fields, args.vocab)
   result["memory"] = memory(args.keys, args.shards, args.dim, args.optimizer)
   result["train_step"] = train_step_rates(batches, args.shards, args.dim, args.optimizer,
                                           args.vocab, args.repeats)

@@ -82,6 +82,15 @@ def define_flags() -> None:
                     "fingerprints, no modulo; tf_gba.layers.HashEmbedding, docs/"
                     "hash_embeddings.md), in the modes that update it through GBA on parameter "
                     "servers: " + ", ".join(mode_registry.hash_embedding_modes()) + ".")
+  flags.DEFINE_integer("hash_min_frequency", 0,
+                       "--embedding=hash: an id gets a row at its Nth training lookup (zero row "
+                       "and dropped gradients before; 0: off).")
+  flags.DEFINE_integer("hash_ttl_steps", 0,
+                       "--embedding=hash: evict rows not looked up for more than N global steps "
+                       "(0: off).")
+  flags.DEFINE_integer("hash_max_rows", 0,
+                       "--embedding=hash: the table's row budget over all parameter servers; "
+                       "beyond it the least frequent rows are evicted (0: off).")
   flags.DEFINE_integer("eval_examples", 20000, "Examples of the eval split to evaluate on.")
   flags.DEFINE_integer("day", None, "Train and evaluate on one day of day-split data.")
   flags.DEFINE_integer("eval_day", None, "Evaluate on every example of this day instead of on "

@@ -18,3 +18,23 @@ def test_benchmark_runs_and_reports_each_measurement(capsys):
              step["partitioned_examples_per_s"]) < 1e-2
   assert result["raw_lookup"]["hash_table_find_keys_per_s"] > 0
   assert '"memory"' in capsys.readouterr().out
+
+
+def test_budget_stream_stays_within_the_budget(capsys):
+  ttl = 6
+  result = hash_embedding.main(["--budget_stream", "--stream_keys=40000", "--stream_steps=8",
+                                "--repeat_share=0.25", "--max_rows=3000", f"--ttl_steps={ttl}",
+                                "--shards=2", "--dim=8"])
+  budget = result["budget"]
+  assert budget["keys_per_step"] == 5000 and budget["repeats_per_step"] == 1250
+  timeline = budget["timeline"]
+  assert [t["step"] for t in timeline] == list(range(1, 9))
+  # About 1,250 keys a step come back and are admitted, so the rows reach the budget by step 4
+  # (3 x 1,250 > 3,000) and stay there; the keys seen once wait as pending counts, which the
+  # time-to-live forgets after `ttl` steps.
+  assert all(t["rows"] <= 3000 for t in timeline)
+  assert [t["rows"] for t in timeline[3:]] == [3000] * 5
+  assert all(t["pending"] <= (ttl + 1) * 5000 for t in timeline)
+  assert timeline[-1]["evicted"] > 0 and budget["rows_within_budget"]
+  assert budget["last_bytes_within_budget_and_pending"]
+  assert '"budget"' in capsys.readouterr().out

@@ -165,3 +165,63 @@ def test_sharded_table_checkpoint_restores_into_another_shard_count(tmp_path):
     for i, shard in enumerate(dst.shards):
       shard_keys = shard.export()["keys"].numpy()
       assert all(hash_table_ops.mix64(int(k)) % p == i for k in shard_keys)
+
+
+def test_admission_and_interval_eviction_in_a_training_loop():
+  # Zero initial rows and SGD lr 1 on sum(out): an admitted row ends at -(its occurrences in the
+  # batches applied since it got the row). The reference follows the SPEC: a row at the second
+  # lookup, eviction after the apply of every second global step (the shard's step), TTL 3 then
+  # a budget of 3 rows, lowest frequency first, ties to the oldest last_seen, then the smallest key.
+  layer = HashEmbedding(DIM, embeddings_initializer="zeros", min_frequency=2, ttl_steps=3,
+                        max_rows=3, eviction_interval=2)
+  assert HashEmbedding.from_config(layer.get_config()).get_config() == layer.get_config()
+  optimizer = GBA(keras.optimizers.SGD(1.0))
+  rng = np.random.default_rng(4)
+  rows, pending, filtered, evicted = {}, {}, 0, 0
+  for step in range(14):
+    batch = rng.choice(IDS, size=(2, 3))
+    with tf.GradientTape() as tape:
+      out = layer(tf.constant(batch), training=True)
+      loss = tf.reduce_sum(out)
+    optimizer.apply_gradients(zip(tape.gradient(loss, layer.trainable_variables),
+                                  layer.trainable_variables))
+    keys, counts = np.unique(batch, return_counts=True)
+    for k, c in zip(keys.tolist(), counts.tolist()):
+      if k in rows:
+        rows[k][0] += 1
+        rows[k][1] = step
+      else:
+        pending[k] = [pending.get(k, [0])[0] + 1, step]
+        if pending[k][0] == 2:
+          rows[k] = [2, step, 0.0]
+          del pending[k]
+        else:
+          filtered += 1
+          continue
+      rows[k][2] -= c
+    if (step + 1) % 2 == 0:
+      now = step + 1
+      gone = [k for k, r in rows.items() if now - r[1] > 3]
+      pending = {k: p for k, p in pending.items() if now - p[1] <= 3}
+      left = sorted((r[0], r[1], k) for k, r in rows.items() if k not in gone)
+      gone += [k for _, _, k in left[:max(0, len(left) - 3)]]
+      for k in gone:
+        del rows[k]
+      evicted += len(gone)
+  got = layer.table.export()
+  by_key = {int(k): (int(f), int(s), v) for k, f, s, v in zip(
+      got["keys"].numpy(), got["frequency"].numpy(), got["last_seen"].numpy(),
+      got["values"].numpy())}
+  assert sorted(by_key) == sorted(rows)
+  for k, (f, s, v) in by_key.items():
+    assert (f, s) == (rows[k][0], rows[k][1])
+    np.testing.assert_array_equal(v, np.full(DIM, rows[k][2], np.float32))
+  assert layer.table.counters() == {"rows": len(rows), "pending": len(pending),
+                                    "admitted": len(rows) + evicted, "filtered": filtered,
+                                    "evicted": evicted}
+  assert evicted > 0 and filtered > 0
+  # Evaluation counts nothing: no row, no pending count (the zero row it reads is checked with a
+  # non-zero initializer in tests/ops/test_hash_table_eviction.py).
+  layer(tf.constant([IDS.tolist()]), training=False)
+  assert layer.table.counters()["rows"] == len(rows)
+  assert layer.table.counters()["pending"] == len(pending)

@@ -96,3 +96,65 @@ def test_concurrent_keyed_pushes_lose_nothing():
   # Every aggregation tagged every key with its step in the table.
   tags = shard.export()["tags"].numpy()
   np.testing.assert_array_equal(tags, np.full(num_keys, len(aggs) - 1))
+
+
+def test_eviction_during_lookups_and_applies_loses_nothing():
+  # As above, while a thread keeps evicting down to a budget of 16 rows of the 64 keys: every
+  # lookup is counted exactly once, in a surviving row's frequency or in a removed row's, and
+  # every gradient row is applied exactly once (-1 in a surviving or removed row's value) or
+  # dropped as filtered (its row was evicted between the lookup and the apply).
+  table = hash_table_ops.ShardedHashTable(DIM, devices=["", ""], initializer="zeros",
+                                          max_rows=16)
+  rng = np.random.default_rng(2)
+  universe = rng.integers(-2**62, 2**62, size=64)
+  batches = [[rng.choice(universe, size=12, replace=False) for _ in range(ROUNDS)]
+             for _ in range(THREADS)]
+  removed = []
+  done = threading.Event()
+
+  def evictor():
+    while not done.is_set():
+      for shard in table.shards:
+        out = shard.evict()
+        removed.append((out["keys"].numpy(), out["values"].numpy(), out["frequency"].numpy()))
+
+  evicting = threading.Thread(target=evictor)
+  evicting.start()
+
+  def worker(i):
+    for keys in batches[i]:
+      k = tf.constant(keys, tf.int64)
+      table.lookup(k, 1)
+      table.apply(k, tf.ones([len(keys), DIM]), "sgd", learning_rate=1.0)
+
+  try:
+    _run_threads(worker)
+  finally:
+    done.set()
+    evicting.join()
+  lookups = {}
+  for per_thread in batches:
+    for keys in per_thread:
+      for k in keys:
+        lookups[int(k)] = lookups.get(int(k), 0) + 1
+  exported = table.export()
+  counted = {k: 0 for k in lookups}
+  applied = {k: 0.0 for k in lookups}
+  for k, v, f in zip(exported["keys"].numpy(), exported["values"].numpy(),
+                     exported["frequency"].numpy()):
+    counted[int(k)] += int(f)
+    applied[int(k)] -= float(v[0])
+  for keys, values, freqs in removed:
+    for k, v, f in zip(keys, values, freqs):
+      counted[int(k)] += int(f)
+      applied[int(k)] -= float(v[0])
+  assert counted == lookups
+  # Each row's elements moved together.
+  np.testing.assert_array_equal(exported["values"].numpy(),
+                                np.repeat(exported["values"].numpy()[:, :1], DIM, axis=1))
+  counters = table.counters()
+  total_applies = sum(lookups.values())
+  assert sum(applied.values()) + counters["filtered"] == total_applies
+  assert all(0 <= applied[k] <= lookups[k] for k in lookups)
+  assert counters["evicted"] == sum(len(k) for k, _, _ in removed) > 0
+  assert counters["rows"] == counters["admitted"] - counters["evicted"] == len(exported["keys"])

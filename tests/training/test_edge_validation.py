@@ -152,6 +152,29 @@ def test_hash_embedding_combinations_refused(tmp_path, kwargs, expected):
   assert str(e.value) == expected
 
 
+@pytest.mark.parametrize("kwargs,expected", [
+    (dict(hash_min_frequency=2),
+     "--hash_min_frequency=2 applies to --embedding=hash only: drop it, or add --embedding=hash."),
+    (dict(hash_max_rows=100),
+     "--hash_max_rows=100 applies to --embedding=hash only: drop it, or add --embedding=hash."),
+    (dict(embedding="hash", hash_ttl_steps=-1), "--hash_ttl_steps must be >= 0 (0: off), got -1."),
+    (dict(embedding="hash", num_ps=3, hash_max_rows=2),
+     "--hash_max_rows=2 is below --num_ps=3: each parameter server keeps hash_max_rows / num_ps "
+     "rows; raise it.")])
+def test_hash_admission_and_eviction_flags_refused(tmp_path, kwargs, expected):
+  with pytest.raises(ValueError) as e:
+    _config(tmp_path, steps=20, **kwargs).validate()
+  assert str(e.value) == expected
+
+
+def test_hash_options_are_the_layers_arguments(tmp_path):
+  cfg = _config(tmp_path, embedding="hash", steps=20, hash_min_frequency=2, hash_ttl_steps=50,
+                hash_max_rows=1000)
+  cfg.validate()
+  assert cfg.hash_options() == {"min_frequency": 2, "ttl_steps": 50, "max_rows": 1000}
+  assert _config(tmp_path, steps=20).hash_options() is None
+
+
 def test_hash_embedding_reads_criteo_as_fingerprints_and_vocab_as_before(tmp_path):
   assert _config(tmp_path, data="criteo:x", embedding="hash").data_kwargs() == {
       "ids": "fingerprint"}

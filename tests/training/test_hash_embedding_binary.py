@@ -150,6 +150,26 @@ def test_async_trains_one_pass_and_reports_the_table(tmp_path):
   assert rows["tags"].max() == STEPS - 1
 
 
+def test_admission_and_budget_through_the_binary(tmp_path):
+  # One pass with --hash_min_frequency=2 and --hash_max_rows=10000: 20 global steps, fewer than
+  # the eviction interval, so the only eviction is the final checkpoint's, after every lookup.
+  summary = _run(tmp_path / "model", mode="gba", hash_min_frequency=2, hash_max_rows=10_000)
+  _check_one_pass(summary)
+  table = summary["hash_tables"]["categorical_embedding"]
+  assert (table["min_frequency"], table["ttl_steps"], table["max_rows"]) == (2, 0, 10_000)
+  # Every distinct (field, value) pair was looked up: once (pending) or at least twice (admitted
+  # once, at its second lookup; nothing was evicted before the end).
+  assert table["pending"] + table["admitted"] == _distinct_field_values()
+  assert table["rows"] == table["admitted"] - table["evicted"]
+  assert table["filtered"] > 0 and table["evicted"] > 0
+  assert all(r <= 5_000 for r in table["rows_per_shard"])
+  rows = _checkpoint_rows(summary["checkpoint"])
+  assert len(rows["keys"]) == table["rows"] <= 10_000
+  shards = _mix64(rows["keys"]) % np.uint64(2)
+  assert table["rows_per_shard"] == [int(np.sum(shards == i)) for i in range(2)]
+  assert rows["frequency"].min() >= 2
+
+
 def _check_resumed(before, after):
   """The rows of `before` carried over: equal where the resumed steps did not look the key up,
   looked up again (frequency up, last_seen later) otherwise; no key lost."""

@@ -62,15 +62,25 @@ class HashEmbedding(keras.layers.Layer):
     embeddings_initializer: "uniform" (in [minval, maxval)), "normal" (mean, stddev) or "zeros".
     minval, maxval: the uniform initializer's range (default Keras Embedding's +-0.05).
     mean, stddev: the normal initializer's parameters.
+    min_frequency: admission (0 or 1: off): an id gets a row at its min_frequency-th training
+      lookup; before, it reads the zero row and its gradients are dropped (counted `filtered`).
+    ttl_steps: eviction (0: off) of rows whose id was not looked up in training for more than
+      this many global steps.
+    max_rows: the table's row budget (0: off), split evenly over the shards: beyond it the least
+      frequent rows go first, ties to the oldest last lookup.
+    eviction_interval: with ttl_steps or max_rows, every shard evicts each time its global step
+      reaches a multiple of this (and before every checkpoint save).
 
   Call with ids of any rank >= 1 (int32, int64 or string); returns ids.shape + [output_dim].
   `training=False` (evaluate, predict, serving) finds rows without inserting: an unseen id gets
-  its initial row. Training lookups insert, count the id's `frequency` and set its `last_seen`.
+  its initial row (the zero row with admission on). Training lookups insert, count the id's
+  `frequency` and set its `last_seen`.
   """
 
   def __init__(self, output_dim: int, seed: int = 0, embeddings_initializer: str = "uniform",
                minval: float = -0.05, maxval: float = 0.05, mean: float = 0.0,
-               stddev: float = 0.05, **kwargs):
+               stddev: float = 0.05, min_frequency: int = 0, ttl_steps: int = 0,
+               max_rows: int = 0, eviction_interval: int = 100, **kwargs):
     super().__init__(**kwargs)
     if int(output_dim) != output_dim or output_dim < 1:
       raise ValueError(f"output_dim must be an integer >= 1, got {output_dim!r}.")
@@ -81,6 +91,14 @@ class HashEmbedding(keras.layers.Layer):
     self.seed = int(seed)
     self.embeddings_initializer = embeddings_initializer
     self.minval, self.maxval, self.mean, self.stddev = minval, maxval, mean, stddev
+    for what, value, low in (("min_frequency", min_frequency, 0), ("ttl_steps", ttl_steps, 0),
+                             ("max_rows", max_rows, 0),
+                             ("eviction_interval", eviction_interval, 1)):
+      if int(value) != value or value < low:
+        raise ValueError(f"{what} must be an integer >= {low}, got {value!r}.")
+    self.min_frequency, self.ttl_steps, self.max_rows = (int(min_frequency), int(ttl_steps),
+                                                         int(max_rows))
+    self.eviction_interval = int(eviction_interval)
     self.table: Optional[hash_table_ops.ShardedHashTable] = None
 
   def build(self, input_shape):
@@ -90,7 +108,9 @@ class HashEmbedding(keras.layers.Layer):
           self.output_dim, devices=_table_devices(), seed=self.seed,
           initializer=self.embeddings_initializer,
           init_a=self.mean if normal else self.minval,
-          init_b=self.stddev if normal else self.maxval, name=self.name)
+          init_b=self.stddev if normal else self.maxval, name=self.name,
+          min_frequency=self.min_frequency, ttl_steps=self.ttl_steps, max_rows=self.max_rows,
+          eviction_interval=self.eviction_interval)
     # The weight the rows' gradient is taken for: empty, it only carries the table to the
     # optimizer (the gradient's indices are the ids, its values the rows' gradients).
     self.hash_anchor = self.add_weight(name="hash_anchor", shape=(0, self.output_dim),
@@ -129,7 +149,9 @@ class HashEmbedding(keras.layers.Layer):
   def get_config(self):
     return {**super().get_config(), "output_dim": self.output_dim, "seed": self.seed,
             "embeddings_initializer": self.embeddings_initializer, "minval": self.minval,
-            "maxval": self.maxval, "mean": self.mean, "stddev": self.stddev}
+            "maxval": self.maxval, "mean": self.mean, "stddev": self.stddev,
+            "min_frequency": self.min_frequency, "ttl_steps": self.ttl_steps,
+            "max_rows": self.max_rows, "eviction_interval": self.eviction_interval}
 
 
 @tf.custom_gradient

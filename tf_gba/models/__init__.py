@@ -13,7 +13,7 @@ Example:
   model.fit(tf_gba.data.make_dataset("synthetic"), epochs=1)
 """
 
-from typing import Sequence
+from typing import Mapping, Optional, Sequence
 
 import tf_keras as keras
 
@@ -31,20 +31,22 @@ MODELS = {"deepfm": deepfm, "dcn": dcn, "youtube_dnn": youtube_dnn}
 
 def build_model(name: str, info: DataInfo, embedding_dim: int = 8,
                 hidden_units: Sequence[int] = (64, 32), seed: int = 0,
-                embedding: str = EMBEDDING_VOCAB) -> keras.Model:
+                embedding: str = EMBEDDING_VOCAB,
+                hash_options: Optional[Mapping[str, int]] = None) -> keras.Model:
   """Builds the model called `name` ("deepfm", "dcn" or "youtube_dnn") for `info`'s features.
 
   `embedding`: "vocab", the categorical fields in one partitionable table over their
   vocabularies, or "hash", in one `tf_gba.layers.HashEmbedding` over their raw ids (no
   vocabulary, no modulo; it needs `tf_gba.optimizers.GBA`, and a parameter-server strategy or
-  none).
+  none). `hash_options`: its admission and eviction arguments (min_frequency, ttl_steps,
+  max_rows, eviction_interval).
   """
   if name not in MODELS:
     raise ValueError(f"Unknown model {name!r}; choose one of {sorted(MODELS)}.")
   if embedding not in EMBEDDINGS:
     raise ValueError(f"embedding must be one of {EMBEDDINGS}, got {embedding!r}.")
   return MODELS[name](info, embedding_dim=embedding_dim, hidden_units=tuple(hidden_units),
-                      seed=seed, embedding_kind=embedding)
+                      seed=seed, embedding_kind=embedding, hash_options=hash_options)
 
 
 __all__ = ["MODELS", "build_model", "dcn", "deepfm", "youtube_dnn", "FieldEmbedding",

@@ -5,7 +5,7 @@ The input `x0` concatenates every categorical field's embedding (one shared tabl
 `x_{l+1} = x0 * (W x_l + b) + x_l`, full rank unless `projection_dim` is given.
 """
 
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import tensorflow_recommenders as tfrs
 import tf_keras as keras
@@ -18,7 +18,8 @@ from tf_gba.models import tower
 
 def dcn(info: DataInfo, embedding_dim: int = 8, hidden_units: Sequence[int] = (64, 32),
         seed: int = 0, num_cross_layers: int = 2, projection_dim: Optional[int] = None,
-        embedding_kind: str = embedding.VOCAB) -> keras.Model:
+        embedding_kind: str = embedding.VOCAB,
+        hash_options: Optional[Mapping[str, int]] = None) -> keras.Model:
   """Builds DCN-v2 for `info`'s features; returns click probabilities [batch, 1].
 
   Example:
@@ -27,7 +28,7 @@ def dcn(info: DataInfo, embedding_dim: int = 8, hidden_units: Sequence[int] = (6
   """
   features = inputs_lib.feature_inputs(info)
   emb = embedding.categorical_rows(features, info.categorical, embedding_dim, seed,
-                                   kind=embedding_kind)
+                                   kind=embedding_kind, hash_options=hash_options)
   x0 = keras.layers.Flatten(name="flat_embeddings")(emb)
   if info.numeric:
     values = inputs_lib.StackFeatures(info.numeric, name="numeric_values")(features)

@@ -7,7 +7,7 @@ its first-order weight, columns 1.. its FM vector. Categorical fields share one 
 `embedding.py`); a numeric field's row is scaled by its value.
 """
 
-from typing import Sequence
+from typing import Mapping, Optional, Sequence
 
 import tensorflow as tf
 import tf_keras as keras
@@ -36,7 +36,8 @@ class FactorizationMachine(keras.layers.Layer):
 
 
 def deepfm(info: DataInfo, embedding_dim: int = 8, hidden_units: Sequence[int] = (64, 32),
-           seed: int = 0, embedding_kind: str = embedding.VOCAB) -> keras.Model:
+           seed: int = 0, embedding_kind: str = embedding.VOCAB,
+           hash_options: Optional[Mapping[str, int]] = None) -> keras.Model:
   """Builds DeepFM for `info`'s features; returns click probabilities [batch, 1].
 
   Example:
@@ -46,7 +47,7 @@ def deepfm(info: DataInfo, embedding_dim: int = 8, hidden_units: Sequence[int] =
   """
   features = inputs_lib.feature_inputs(info)
   rows = embedding.categorical_rows(features, info.categorical, embedding_dim + 1, seed,
-                                    kind=embedding_kind)
+                                    kind=embedding_kind, hash_options=hash_options)
   if info.numeric:
     values = inputs_lib.StackFeatures(info.numeric, name="numeric_values")(features)
     numeric_rows = embedding.NumericEmbedding(

@@ -10,7 +10,7 @@ With `kind="hash"` (`categorical_rows`) the shared table is a `tf_gba.layers.Has
 instead: no vocabulary, each field's raw ids keyed apart by `FieldKeys`.
 """
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -129,16 +129,22 @@ def field_keys(names, ids: np.ndarray) -> np.ndarray:
 
 
 def categorical_rows(features, vocab_sizes: Mapping[str, int], output_dim: int, seed: int,
-                     kind: str = VOCAB, stddev: float = 0.01):
+                     kind: str = VOCAB, stddev: float = 0.01,
+                     hash_options: Optional[Mapping[str, int]] = None):
   """[batch, fields, output_dim] rows of every categorical field, in one table named
   `categorical_embedding`: a FieldEmbedding over the vocabularies (`kind="vocab"`), or a
-  HashEmbedding over the raw ids (`kind="hash"`), both initialised N(0, stddev)."""
+  HashEmbedding over the raw ids (`kind="hash"`), both initialised N(0, stddev).
+
+  `hash_options`: the HashEmbedding's admission and eviction arguments (min_frequency,
+  ttl_steps, max_rows, eviction_interval); only with `kind="hash"`."""
   if kind == VOCAB:
+    if hash_options and any(hash_options.values()):
+      raise ValueError("hash_options (admission, eviction) apply to kind='hash' only.")
     return FieldEmbedding(vocab_sizes, output_dim,
                           keras.initializers.RandomNormal(stddev=stddev, seed=seed),
                           name="categorical_embedding")(features)
   if kind == HASH:
     keys = FieldKeys(list(vocab_sizes), name="categorical_keys")(features)
     return HashEmbedding(output_dim, seed=seed, embeddings_initializer="normal", stddev=stddev,
-                         name="categorical_embedding")(keys)
+                         name="categorical_embedding", **(hash_options or {}))(keys)
   raise ValueError(f"embedding must be one of {KINDS}, got {kind!r}.")

@@ -7,7 +7,7 @@ so >= 0) is fed as `x`, `x**2` and `sqrt(x)`, so the tower gets super- and sub-l
 of it for free.
 """
 
-from typing import Sequence
+from typing import Mapping, Optional, Sequence
 
 import tensorflow as tf
 import tf_keras as keras
@@ -27,7 +27,8 @@ class PowerFeatures(keras.layers.Layer):
 
 
 def youtube_dnn(info: DataInfo, embedding_dim: int = 8, hidden_units: Sequence[int] = (64, 32),
-                seed: int = 0, embedding_kind: str = embedding.VOCAB) -> keras.Model:
+                seed: int = 0, embedding_kind: str = embedding.VOCAB,
+                hash_options: Optional[Mapping[str, int]] = None) -> keras.Model:
   """Builds the YouTube-DNN-style model for `info`'s features; returns probabilities [batch, 1].
 
   Example:
@@ -36,7 +37,7 @@ def youtube_dnn(info: DataInfo, embedding_dim: int = 8, hidden_units: Sequence[i
   """
   features = inputs_lib.feature_inputs(info)
   emb = embedding.categorical_rows(features, info.categorical, embedding_dim, seed,
-                                   kind=embedding_kind)
+                                   kind=embedding_kind, hash_options=hash_options)
   x = keras.layers.Flatten(name="flat_embeddings")(emb)
   if info.numeric:
     values = inputs_lib.StackFeatures(info.numeric, name="numeric_values")(features)

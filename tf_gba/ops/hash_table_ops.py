@@ -6,6 +6,12 @@ checkpoint holds: every row of every shard (keys, values, slots, tags, frequenci
 steps), gathered on save and re-sharded by key on restore, so a table saved over P parameter
 servers restores into any other number of them, or into one process.
 
+Admission and eviction (SPEC section 6, all off by default): `min_frequency=k` gives a key a row
+only at its k-th training lookup (the zero row, and gradients counted as `filtered`, before);
+`evict()` removes rows not seen for more than `ttl_steps` global steps, then, beyond `max_rows`
+(the table's budget, split evenly over the shards), the least frequent, ties to the oldest
+`last_seen`, then to the smallest key. A checkpoint save evicts first.
+
 Example:
 
   table = ShardedHashTable(dim=8, devices=["/job:ps/task:0", "/job:ps/task:1"], seed=1)
@@ -35,7 +41,7 @@ _uid = itertools.count()
 loader.no_gradient(
     "GBA>HashTableCreate", "GBA>HashTableLookup", "GBA>HashTableFind", "GBA>HashTableApply",
     "GBA>HashTableSize", "GBA>HashTableExport", "GBA>HashTableImport", "GBA>HashKeyShard",
-    "GBA>HashBufferPush")
+    "GBA>HashBufferPush", "GBA>HashTableEvict", "GBA>HashTableCounters")
 
 
 def _ops():
@@ -89,11 +95,14 @@ class HashTableShard(tf.saved_model.experimental.TrackableResource):
   """
 
   def __init__(self, dim: int, device: str = "", seed: int = 0, initializer: str = "uniform",
-               init_a: float = -0.05, init_b: float = 0.05, name: str = "hash_table"):
+               init_a: float = -0.05, init_b: float = 0.05, name: str = "hash_table",
+               min_frequency: int = 0, ttl_steps: int = 0, max_rows: int = 0):
     super().__init__(device=device)
     self._dim = int(dim)
     self._attrs = dict(dim=self._dim, seed=int(seed), initializer=initializer,
-                       init_a=float(init_a), init_b=float(init_b))
+                       init_a=float(init_a), init_b=float(init_b),
+                       min_frequency=int(min_frequency), ttl_steps=int(ttl_steps),
+                       max_rows=int(max_rows))
     self._shared_name = f"tf_gba/{name}/{next(_uid)}_{id(object())}"
     with tf.init_scope():
       _ = self.resource_handle  # create now, on `device`
@@ -143,20 +152,49 @@ class HashTableShard(tf.saved_model.experimental.TrackableResource):
     with tf.device(self._resource_device):
       return _ops().gba_hash_table_size(self.resource_handle)
 
+  def evict(self, global_step=-1, with_rows: bool = True) -> Dict[str, tf.Tensor]:
+    """Runs eviction (TTL, then the budget) at `global_step` (< 0: the shard's own).
+
+    Returns the removed rows: keys [n], values [n, dim], frequency [n] (all empty without
+    `with_rows`).
+    """
+    with tf.device(self._resource_device):
+      out = _ops().gba_hash_table_evict(self.resource_handle, tf.cast(global_step, tf.int64),
+                                        with_rows=with_rows)
+    return dict(zip(("keys", "values", "frequency"), out))
+
+  def counters(self) -> tf.Tensor:
+    """int64 [5]: COUNTER_FIELDS (rows, pending, admitted, filtered, evicted)."""
+    with tf.device(self._resource_device):
+      return _ops().gba_hash_table_counters(self.resource_handle)
+
   def export(self) -> Dict[str, tf.Tensor]:
-    """Every row: keys, values, slots [n, num_slots, dim], tags, frequency, last_seen."""
+    """Every row (EXPORT_FIELDS) and admission's pending counts (PENDING_FIELDS)."""
     with tf.device(self._resource_device):
       out = _ops().gba_hash_table_export(self.resource_handle)
-    return dict(zip(EXPORT_FIELDS, out))
+    return dict(zip(EXPORT_FIELDS + PENDING_FIELDS, out))
 
   def import_rows(self, rows: Dict[str, tf.Tensor]) -> tf.Operation:
-    """Replaces the shard's rows with `rows` (as `export` returns them)."""
+    """Replaces the shard's rows with `rows` (as `export` returns them; pending counts optional)."""
+    pending = [rows[f] if f in rows else tf.zeros([0], tf.int64) for f in PENDING_FIELDS]
     with tf.device(self._resource_device):
       return _ops().gba_hash_table_import(self.resource_handle,
-                                          *[rows[f] for f in EXPORT_FIELDS])
+                                          *[rows[f] for f in EXPORT_FIELDS], *pending)
 
 
 EXPORT_FIELDS = ("keys", "values", "slots", "tags", "frequency", "last_seen")
+# Admission's keys without a row yet: their training-lookup counts and latest steps.
+PENDING_FIELDS = ("pending_keys", "pending_counts", "pending_last_seen")
+# The order of HashTableShard.counters().
+COUNTER_FIELDS = ("rows", "pending", "admitted", "filtered", "evicted")
+
+
+def _budget_split(max_rows: int, num_shards: int) -> List[int]:
+  """Each shard's share of the table's max_rows (0: off): as even as whole rows allow."""
+  if not max_rows:
+    return [0] * num_shards
+  return [max_rows // num_shards + (1 if i < max_rows % num_shards else 0)
+          for i in range(num_shards)]
 
 
 class ShardedHashTable(tf.__internal__.tracking.Trackable):
@@ -166,24 +204,47 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
   device) and stitch the rows back in the keys' order.
 
   Checkpoint entries: `keys`, `values`, `slots`, `tags`, `frequency`, `last_seen`: every row of
-  every shard (gathered on save; any order). Restoring re-shards by key into this table's shards.
+  every shard, and, with `min_frequency` > 1, `pending_keys`, `pending_counts`,
+  `pending_last_seen`: admission's counts (gathered on save; any order). A table without
+  admission saves and reads the six row entries only, as before admission existed. Restoring re-shards by key into this table's shards. With
+  `ttl_steps` or `max_rows`, every shard evicts before its rows are saved.
+
+  `eviction_interval`: the GBA optimizer runs `evict` on each shard every that many global steps
+  (with `ttl_steps` or `max_rows` set).
   """
 
   def __init__(self, dim: int, devices: Sequence[str] = ("",), seed: int = 0,
                initializer: str = "uniform", init_a: float = -0.05, init_b: float = 0.05,
-               name: str = "hash_table"):
+               name: str = "hash_table", min_frequency: int = 0, ttl_steps: int = 0,
+               max_rows: int = 0, eviction_interval: int = 100):
     if int(dim) != dim or dim < 1:
       raise ValueError(f"dim (the embedding width) must be an integer >= 1, got {dim!r}.")
     if initializer not in INITIALIZERS:
       raise ValueError(f"initializer must be one of {INITIALIZERS}, got {initializer!r}.")
     if not devices:
       raise ValueError("A hash table needs at least one device for its shards.")
+    for what, value in (("min_frequency", min_frequency), ("ttl_steps", ttl_steps),
+                        ("max_rows", max_rows)):
+      if int(value) != value or value < 0:
+        raise ValueError(f"{what} must be an integer >= 0 (0: off), got {value!r}.")
+    if 0 < max_rows < len(devices):
+      raise ValueError(f"max_rows={max_rows} is below the number of shards ({len(devices)}): each "
+                       "shard keeps max_rows / shards rows; raise it or use fewer shards.")
+    if int(eviction_interval) != eviction_interval or eviction_interval < 1:
+      raise ValueError(f"eviction_interval must be an integer >= 1 (global steps), got "
+                       f"{eviction_interval!r}.")
+    self.min_frequency, self.ttl_steps, self.max_rows = (int(min_frequency), int(ttl_steps),
+                                                         int(max_rows))
+    self.eviction_interval = int(eviction_interval)
     self._dim = int(dim)
     self._seed = int(seed)
     self._name = name
     self._shards = [HashTableShard(dim, device=d, seed=seed, initializer=initializer,
-                                   init_a=init_a, init_b=init_b, name=f"{name}_{i}")
-                    for i, d in enumerate(devices)]
+                                   init_a=init_a, init_b=init_b, name=f"{name}_{i}",
+                                   min_frequency=min_frequency, ttl_steps=ttl_steps,
+                                   max_rows=budget)
+                    for i, (d, budget) in enumerate(zip(devices,
+                                                        _budget_split(max_rows, len(devices))))]
 
   @property
   def dim(self) -> int:
@@ -237,25 +298,56 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
     """Bytes the shards hold (eager)."""
     return int(sum(int(s.size()[1]) for s in self._shards))
 
+  @property
+  def evicts(self) -> bool:
+    """Whether eviction has anything to do (ttl_steps or max_rows set)."""
+    return bool(self.ttl_steps or self.max_rows)
+
+  def evict(self, global_step=-1) -> tf.Operation:
+    """Eviction on every shard, each on its own device (see HashTableShard.evict)."""
+    return tf.group([s.evict(global_step, with_rows=False)["keys"] for s in self._shards])
+
+  def counters(self) -> Dict[str, int]:
+    """COUNTER_FIELDS summed over the shards (eager)."""
+    total = np.sum([s.counters().numpy() for s in self._shards], axis=0)
+    return {f: int(v) for f, v in zip(COUNTER_FIELDS, total)}
+
   def export(self) -> Dict[str, tf.Tensor]:
-    """Every row of every shard, concatenated (on the caller's device)."""
+    """Every row and pending count of every shard, concatenated (on the caller's device)."""
     parts = [s.export() for s in self._shards]
     if len(parts) == 1:
       return parts[0]
-    return {f: tf.concat([p[f] for p in parts], axis=0) for f in EXPORT_FIELDS}
+    return {f: tf.concat([p[f] for p in parts], axis=0) for f in EXPORT_FIELDS + PENDING_FIELDS}
 
   def import_rows(self, rows: Dict[str, tf.Tensor]) -> tf.Operation:
-    """Replaces every shard's rows with those of `rows` whose keys it owns."""
+    """Replaces every shard's rows (and pending counts) with those of `rows` whose keys it owns."""
     keys = tf.convert_to_tensor(rows["keys"], tf.int64)
-    parts, positions = self.partition(keys)
+    _, positions = self.partition(keys)
+    if "pending_keys" in rows:
+      _, pending_positions = self.partition(tf.convert_to_tensor(rows["pending_keys"], tf.int64))
+    else:
+      pending_positions = [None] * len(self._shards)
     ops = []
-    for shard, pos in zip(self._shards, positions):
-      ops.append(shard.import_rows({f: tf.gather(rows[f], pos) for f in EXPORT_FIELDS}))
+    for shard, pos, ppos in zip(self._shards, positions, pending_positions):
+      part = {f: tf.gather(rows[f], pos) for f in EXPORT_FIELDS}
+      if ppos is not None:
+        part.update({f: tf.gather(rows[f], ppos) for f in PENDING_FIELDS})
+      ops.append(shard.import_rows(part))
     return tf.group(ops)
 
   # ---- checkpointing ---------------------------------------------------------------------------
+  def _checkpoint_fields(self) -> Tuple[str, ...]:
+    return EXPORT_FIELDS + (PENDING_FIELDS if self.min_frequency > 1 else ())
+
   def _serialize_to_tensors(self):
-    return self.export()
+    if not self.evicts:
+      rows = self.export()
+    else:
+      # Rows past their time-to-live or over the budget are not saved (SPEC section 6: eviction
+      # runs before every checkpoint).
+      with tf.control_dependencies([self.evict()]):
+        rows = self.export()
+    return {f: rows[f] for f in self._checkpoint_fields()}
 
   def _restore_from_tensors(self, restored_tensors):
     return self.import_rows(restored_tensors)

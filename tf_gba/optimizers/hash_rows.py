@@ -5,7 +5,9 @@ worker step pushes to every one of them, with the keys of that shard only (possi
 that each buffer counts the same M entries per global step and they complete together. Each key's
 staleness is judged from the tag kept in the table's row (SPEC section 1, unchanged: the same
 decay and divisor as a partitioned row), and a completed aggregate goes, on that parameter
-server, to the table's fused update with the inner optimizer's hyper-parameters.
+server, to the table's fused update with the inner optimizer's hyper-parameters. A table with
+`ttl_steps` or `max_rows` then evicts on that shard, on the parameter server, whenever the
+aggregation brought its global step to a multiple of the table's `eviction_interval`.
 """
 
 from typing import Callable, Dict, List, Tuple
@@ -68,12 +70,19 @@ class HashBuffers:
     readies = []
     for shard, buf, shard_keys, pos in zip(self.table.shards, self.buffers, parts, positions):
       with tf.device(shard.device):
-        ready, agg_keys, agg_rows, _ = buf.push_keyed(
+        ready, agg_keys, agg_rows, step = buf.push_keyed(
             token, ticket, shard_keys, tf.gather(grad.values, pos), shard.resource_handle)
 
-        def apply(agg_keys=agg_keys, agg_rows=agg_rows, shard=shard):
+        def apply(agg_keys=agg_keys, agg_rows=agg_rows, shard=shard, step=step):
           with tf.control_dependencies([apply_fn(tf.IndexedSlices(agg_rows, agg_keys), shard)]):
-            return tf.constant(True)
+            if not self.table.evicts:
+              return tf.constant(True)
+            # After the apply, so the shard's own step (evict's default) is this aggregate's.
+            interval = tf.constant(self.table.eviction_interval, tf.int64)
+            evicted = tf.cond(tf.equal(step % interval, 0),
+                              lambda: tf.size(shard.evict(with_rows=False)["keys"]) >= 0,
+                              lambda: tf.constant(True))
+            return tf.identity(evicted)
 
         # Under the shard's device, the branch runs on its parameter server: no round trip.
         readies.append(tf.cond(ready, apply, lambda: tf.constant(False)))

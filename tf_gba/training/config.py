@@ -22,6 +22,8 @@ MODEL_NAMES = ("deepfm", "dcn", "youtube_dnn")
 # --embedding: the categorical fields' table over fixed vocabularies (ids folded modulo each
 # vocabulary), or an expandable hash table over the raw ids (tf_gba.layers.HashEmbedding).
 EMBEDDINGS = ("vocab", "hash")
+# --embedding=hash's admission and eviction flags (SPEC section 6), 0 meaning off.
+HASH_OPTION_FLAGS = ("hash_min_frequency", "hash_ttl_steps", "hash_max_rows")
 INPUTS = ("shared", "sharded")
 # Worker steps of a run that reads static shards and sets no --steps (the original default).
 DEFAULT_STEPS = 2000
@@ -56,6 +58,10 @@ class TrainConfig:
   embedding_dim: int = 8
   # "vocab" or "hash" (EMBEDDINGS): see examples/train.py --embedding.
   embedding: str = "vocab"
+  # --embedding=hash's admission and eviction (0: off): see examples/train.py --hash_*.
+  hash_min_frequency: int = 0
+  hash_ttl_steps: int = 0
+  hash_max_rows: int = 0
   eval_examples: int = 20000
   day: Optional[int] = None
   # Evaluate on every example of this day (train rows, then eval rows) instead of on the eval
@@ -191,6 +197,16 @@ class TrainConfig:
       raise ValueError(f"--embedding must be one of {EMBEDDINGS}, got {self.embedding!r}.")
     if self.embedding == "hash":
       self._check_hash_embedding(mode)
+    for name in HASH_OPTION_FLAGS:
+      value = getattr(self, name)
+      if value < 0:
+        raise ValueError(f"--{name} must be >= 0 (0: off), got {value}.")
+      if value and self.embedding != "hash":
+        raise ValueError(f"--{name}={value} applies to --embedding=hash only: drop it, or add "
+                         "--embedding=hash.")
+    if 0 < self.hash_max_rows < self.num_ps:
+      raise ValueError(f"--hash_max_rows={self.hash_max_rows} is below --num_ps={self.num_ps}: "
+                       "each parameter server keeps hash_max_rows / num_ps rows; raise it.")
     if self.model not in MODEL_NAMES:
       raise ValueError(f"--model must be one of {MODEL_NAMES}, got {self.model!r}.")
     if self.input not in INPUTS:
@@ -262,6 +278,13 @@ class TrainConfig:
                        "buffer's push, which --noasync_staleness_stats (the bare optimizer) does "
                        "not have: drop one of the two.")
     self.data_kwargs()
+
+  def hash_options(self) -> Optional[dict]:
+    """The HashEmbedding's admission and eviction arguments (None with --embedding=vocab)."""
+    if self.embedding != "hash":
+      return None
+    return {"min_frequency": self.hash_min_frequency, "ttl_steps": self.hash_ttl_steps,
+            "max_rows": self.hash_max_rows}
 
   def _check_hash_embedding(self, mode) -> None:
     """--embedding=hash needs its table on the parameter servers, updated through GBA."""

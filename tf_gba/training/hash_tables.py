@@ -10,6 +10,15 @@ with the table's size op (`HashTableShard.size`: rows, and the bytes the shard h
   bytes_per_row       allocated_bytes / rows (None without rows); a small table pays for its
                       first block whole, so this falls toward row_bytes as the table fills
   row_bytes           the floats of one row: dim * (1 + optimizer slots) * 4
+  min_frequency, ttl_steps, max_rows
+                      the table's admission and eviction options (0: off; --hash_*)
+  pending             keys looked up fewer than min_frequency times, without a row yet
+  admitted            rows created (a key's first training lookup, or its min_frequency-th)
+  filtered            gradient rows dropped because their key had no row (not yet admitted,
+                      or evicted between the lookup and the update)
+  evicted             rows removed by eviction (time-to-live, then the max_rows budget)
+The counters are the sums over the shards since the parameter servers started (a restore does not
+bring them back), so rows = admitted - evicted in a run that did not restore rows.
 """
 
 from typing import Dict
@@ -34,8 +43,12 @@ def report(model, optimizer) -> Dict[str, dict]:
     rows = [int(r.numpy()) for r, _ in sizes]
     allocated = sum(int(b.numpy()) for _, b in sizes)
     total = sum(rows)
+    counters = layer.table.counters()
     out[layer.name] = {
         "rows": total, "rows_per_shard": rows, "allocated_bytes": allocated,
         "bytes_per_row": round(allocated / total, 1) if total else None,
-        "row_bytes": None if slots is None else layer.output_dim * (1 + slots) * 4}
+        "row_bytes": None if slots is None else layer.output_dim * (1 + slots) * 4,
+        "min_frequency": layer.min_frequency, "ttl_steps": layer.ttl_steps,
+        "max_rows": layer.max_rows,
+        **{f: counters[f] for f in ("pending", "admitted", "filtered", "evicted")}}
   return out

@@ -234,7 +234,8 @@ class _Job:
     with strategy.scope():
       self.model = models_lib.build_model(config.model, self.info,
                                           embedding_dim=config.embedding_dim, seed=config.seed,
-                                          embedding=config.embedding)
+                                          embedding=config.embedding,
+                                          hash_options=config.hash_options())
       if config.mode == config_lib.ASYNC_TUNED:
         inner = keras.optimizers.Adagrad(config.async_tuned_learning_rate)
       else:
@@ -391,7 +392,8 @@ class _Job:
       # restores into it (TF saves sharded variables whole).
       self._eval_model = models_lib.build_model(cfg.model, self.info,
                                                 embedding_dim=cfg.embedding_dim, seed=cfg.seed,
-                                                embedding=cfg.embedding)
+                                                embedding=cfg.embedding,
+                                                hash_options=cfg.hash_options())
       feats, labels = [], []
       for x, y in eval_dataset(cfg, self.data_kwargs):
         feats.append(x)
@@ -569,10 +571,11 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     stats = _optimizer_stats(job.optimizer)
     stats["hop_bs"] = strategy.hop_bs_stats()
     stats["hop_bw"] = strategy.hop_bw_stats()
-    tables = hash_tables.report(job.model, job.optimizer)
     # The trained model is saved before anything that can still fail (the evaluation, its
     # snapshot, the summary): a failure there loses no step.
     saved = job.save_checkpoint()
+    # After the save, which evicts first: the tables as the checkpoint holds them.
+    tables = hash_tables.report(job.model, job.optimizer)
     recovery.report(config.model_dir, stats["global_step"], finished=True)
     # A callback that ended the run to hand over to another job (--mode=auto) skips the
     # evaluation and the export: the job that continues makes them.

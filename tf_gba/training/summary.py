@@ -136,6 +136,8 @@ def print_summary(s: dict) -> None:
          + " + ".join(f"{r:,}" for r in t["rows_per_shard"]) + " per parameter server), "
          + f"{_number(t['bytes_per_row'], ',.1f')} bytes per row allocated (row floats "
          + f"{_number(t['row_bytes'], 'd')} B)"
+         + (f"; admitted {t['admitted']:,}  filtered {t['filtered']:,}  evicted "
+            f"{t['evicted']:,}  pending {t['pending']:,}" if "admitted" in t else "")
          for name, t in (s.get("hash_tables") or {}).items()]),
       f"  eval AUC              {s['eval_auc']:.4f}",
       f"  eval logloss          {s['eval_logloss']:.4f}",

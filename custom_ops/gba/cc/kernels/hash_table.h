@@ -10,6 +10,15 @@
 // another optimizer than the rows hold re-lays them out once (slots restart from their initial
 // values).
 //
+// Admission and eviction (optional, SPEC section 6): with min_frequency = k > 1 a key gets a row
+// only at its k-th training lookup; until then an exact pending count (and the step it was last
+// seen) is kept per key, lookups return the zero row and gradients of the key are dropped and
+// counted as filtered. Evict() removes rows not seen for more than ttl_steps global steps, then,
+// while more than max_rows remain, the least frequent (ties: oldest last_seen, then smallest key),
+// compacting the survivors in their order so that whole blocks are freed. With any of the three
+// on, an apply or tag write for a key without a row drops it (counted as filtered) instead of
+// inserting the row: the row was evicted since the lookup, or never admitted.
+//
 // Rows live in fixed-size blocks (never moved once written, no doubling of a contiguous array
 // when the table grows); the key -> row-number index is an absl::flat_hash_map. All state is
 // private and guarded by one mutex: lookups that insert and applies take it exclusively, find-only
@@ -17,6 +26,7 @@
 #ifndef TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_HASH_TABLE_H_
 #define TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_HASH_TABLE_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -59,6 +69,12 @@ struct HashTableConfig {
   Init init = kUniform;
   double init_a = -0.05;  // uniform: minval; normal: mean
   double init_b = 0.05;   // uniform: maxval; normal: stddev
+  int64_t min_frequency = 0;  // <= 1: every training lookup inserts
+  int64_t ttl_steps = 0;      // 0: no time-to-live
+  int64_t max_rows = 0;       // 0: no budget
+
+  // Whether keys without a row are dropped, not inserted, by applies and tag writes.
+  bool drops_missing() const { return min_frequency > 1 || ttl_steps > 0 || max_rows > 0; }
 
   // Writes key's initial embedding (dim values). Uniform: a + (b - a) * u_j with u_j the
   // (j+1)-th uniform; normal: Box-Muller on the uniforms 2j+1 and 2j+2, a + b * z_j.
@@ -110,12 +126,32 @@ class HashTable : public ::tensorflow::ResourceBase {
   // initial accumulator, tag -1, frequency 0), then frequency += 1 and last_seen = step, or,
   // with step < 0, the global step as far as this table knows it (one past the iteration of its
   // latest apply). out: [n, dim].
+  // With admission on, a key without a row counts the lookup in its pending count and gets the
+  // zero row until the count reaches min_frequency; the row it then gets starts with that count
+  // as its frequency.
   void LookupOrInsert(const int64_t* keys, int64_t n, int64_t step, float* out)
       TF_LOCKS_EXCLUDED(mu_) {
     ::tensorflow::mutex_lock lock(mu_);
     if (step < 0) step = known_step_;
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t r = FindOrInsertLocked(keys[i]);
+      auto it = index_.find(keys[i]);
+      int64_t r;
+      if (it != index_.end()) {
+        r = it->second;
+      } else if (config_.min_frequency > 1) {
+        auto p = pending_.try_emplace(keys[i], Pending{0, step}).first;
+        const int64_t count = ++p->second.count;
+        p->second.last_seen = step;
+        if (count < config_.min_frequency) {
+          std::fill(out + i * config_.dim, out + (i + 1) * config_.dim, 0.0f);
+          continue;
+        }
+        pending_.erase(p);
+        r = InsertLocked(keys[i]);
+        MetaLocked(r).frequency = count - 1;  // this lookup adds the last one below
+      } else {
+        r = InsertLocked(keys[i]);
+      }
       Meta& m = MetaLocked(r);
       ++m.frequency;
       m.last_seen = step;
@@ -124,15 +160,19 @@ class HashTable : public ::tensorflow::ResourceBase {
     }
   }
 
-  // Evaluation and serving lookup: a missing key gets its initial value; nothing is inserted or
-  // counted.
+  // Evaluation and serving lookup: a missing key gets its initial value (the zero row with
+  // admission on); nothing is inserted or counted.
   void Find(const int64_t* keys, int64_t n, float* out) const TF_LOCKS_EXCLUDED(mu_) {
     ::tensorflow::tf_shared_lock lock(mu_);
     for (int64_t i = 0; i < n; ++i) {
       float* dst = out + i * config_.dim;
       auto it = index_.find(keys[i]);
       if (it == index_.end()) {
-        config_.InitialRow(keys[i], dst);
+        if (config_.min_frequency > 1) {
+          std::fill(dst, dst + config_.dim, 0.0f);
+        } else {
+          config_.InitialRow(keys[i], dst);
+        }
       } else {
         const float* row = RowLocked(it->second);
         std::copy(row, row + config_.dim, dst);
@@ -142,7 +182,8 @@ class HashTable : public ::tensorflow::ResourceBase {
 
   // The fused sparse update of the table's optimizer for rows `keys` (duplicates summed first, as
   // Keras does for IndexedSlices); a key without a row gets one first (initial value). Row-local:
-  // no other row or slot changes (Adam is LazyAdam).
+  // no other row or slot changes (Adam is LazyAdam). With admission or eviction on, a key without
+  // a row is dropped and counted as filtered instead.
   void Apply(const int64_t* keys, const float* grads, int64_t n, const HashApplyArgs& a)
       TF_LOCKS_EXCLUDED(mu_);
 
@@ -155,10 +196,40 @@ class HashTable : public ::tensorflow::ResourceBase {
     }
   }
 
-  // last_step = step for every key (inserting rows that do not exist yet).
+  // last_step = step for every key (inserting rows that do not exist yet; with admission or
+  // eviction on, skipping them: their gradients are filtered by the apply that follows).
   void SetTags(const int64_t* keys, int64_t n, int64_t step) TF_LOCKS_EXCLUDED(mu_) {
     ::tensorflow::mutex_lock lock(mu_);
-    for (int64_t i = 0; i < n; ++i) MetaLocked(FindOrInsertLocked(keys[i])).last_step = step;
+    for (int64_t i = 0; i < n; ++i) {
+      if (config_.drops_missing()) {
+        auto it = index_.find(keys[i]);
+        if (it != index_.end()) MetaLocked(it->second).last_step = step;
+      } else {
+        MetaLocked(FindOrInsertLocked(keys[i])).last_step = step;
+      }
+    }
+  }
+
+  // The rows an eviction removed, in their former row order.
+  struct Evicted {
+    std::vector<int64_t> keys, frequency;
+    std::vector<float> values;  // [n, dim]
+  };
+
+  // Removes the rows with step - last_seen > ttl_steps (and forgets pending counts last seen
+  // that long ago), then, while more than max_rows remain, the lowest frequency, ties to the
+  // oldest last_seen, then to the smallest key. step < 0: the step the table knows. Returns the
+  // number of rows removed; `removed` (may be null) receives them.
+  int64_t Evict(int64_t step, Evicted* removed) TF_LOCKS_EXCLUDED(mu_);
+
+  // This shard's counters since it was created (an import leaves them as they are).
+  struct Counters {
+    int64_t rows, pending, admitted, filtered, evicted;
+  };
+  Counters GetCounters() const TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::tf_shared_lock lock(mu_);
+    return Counters{num_rows_, static_cast<int64_t>(pending_.size()), admitted_, filtered_,
+                    evicted_};
   }
 
   int64_t Size() const TF_LOCKS_EXCLUDED(mu_) {
@@ -167,19 +238,23 @@ class HashTable : public ::tensorflow::ResourceBase {
   }
 
   // Bytes the table holds: row blocks (value and slots), per-row tags and counters, and the
-  // index's slots and control bytes.
+  // slots and control bytes of the key index and of the pending counts.
   int64_t AllocatedBytes() const TF_LOCKS_EXCLUDED(mu_) {
     ::tensorflow::tf_shared_lock lock(mu_);
     const int64_t per_block = kBlockRows * (row_floats_ * sizeof(float) + sizeof(Meta));
     // The last block is counted whole: its unused rows are allocated too.
     const int64_t index = static_cast<int64_t>(index_.capacity()) *
                           (sizeof(std::pair<const int64_t, int64_t>) + 1);
-    return static_cast<int64_t>(blocks_.size()) * per_block + index;
+    const int64_t pending = static_cast<int64_t>(pending_.capacity()) *
+                            (sizeof(std::pair<const int64_t, Pending>) + 1);
+    return static_cast<int64_t>(blocks_.size()) * per_block + index + pending;
   }
 
   struct Snapshot {
     std::vector<int64_t> keys, tags, frequency, last_seen;
     std::vector<float> values, slots;  // [n, dim] and [n, num_slots, dim]
+    // Admission: keys without a row yet, their lookup counts and last-seen steps.
+    std::vector<int64_t> pending_keys, pending_counts, pending_last_seen;
   };
 
   // Every row, in row-number order (the order of first insertion); s->num_slots says how many
@@ -187,8 +262,8 @@ class HashTable : public ::tensorflow::ResourceBase {
   void Export(Snapshot* s, int64_t* num_slots) const TF_LOCKS_EXCLUDED(mu_);
 
   // Replaces the whole content with `s`, whose rows have `num_slots` slots (0: SGD, 1: Adagrad,
-  // 2: Adam), the table's layout from now on (checkpoint restore). Returns an error, leaving the
-  // table as it was, when a key appears twice.
+  // 2: Adam), the table's layout from now on (checkpoint restore), and its pending counts with
+  // them. Returns an error, leaving the table as it was, when a key appears twice.
   Status Import(const Snapshot& s, int64_t num_slots) TF_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -199,6 +274,10 @@ class HashTable : public ::tensorflow::ResourceBase {
   struct Meta {
     int64_t last_step;
     int64_t frequency;
+    int64_t last_seen;
+  };
+  struct Pending {
+    int64_t count;
     int64_t last_seen;
   };
   struct Block {
@@ -237,12 +316,18 @@ class HashTable : public ::tensorflow::ResourceBase {
   void RelayoutLocked(HashOptimizer optimizer, float initial_accumulator)
       TF_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // A new indexed row for key (not in the index), counted as admitted.
+  int64_t InsertLocked(int64_t key) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t r = AppendLocked(key);
+    index_.emplace(key, r);
+    ++admitted_;
+    return r;
+  }
+
   int64_t FindOrInsertLocked(int64_t key) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = index_.find(key);
     if (it != index_.end()) return it->second;
-    const int64_t r = AppendLocked(key);
-    index_.emplace(key, r);
-    return r;
+    return InsertLocked(key);
   }
 
   const HashTableConfig config_;
@@ -255,6 +340,11 @@ class HashTable : public ::tensorflow::ResourceBase {
   int64_t num_rows_ TF_GUARDED_BY(mu_) = 0;
   // The global step the table has seen: an apply at iteration k makes it k + 1.
   int64_t known_step_ TF_GUARDED_BY(mu_) = 0;
+  // Admission's exact counts of keys without a row (min_frequency > 1 only).
+  absl::flat_hash_map<int64_t, Pending> pending_ TF_GUARDED_BY(mu_);
+  int64_t admitted_ TF_GUARDED_BY(mu_) = 0;  // rows created by lookups, applies, tag writes
+  int64_t filtered_ TF_GUARDED_BY(mu_) = 0;  // gradient rows dropped: their key had no row
+  int64_t evicted_ TF_GUARDED_BY(mu_) = 0;   // rows removed by Evict
 };
 
 }  // namespace tf_gba

@@ -1,6 +1,7 @@
 // Kernels of the expandable hash embedding table (hash_table.h): create, training and find-only
-// lookups, the fused SGD / Adagrad / LazyAdam apply, size, export and import, and the shard of a
-// key. CPU only: the table is a parameter server's state, read and written by the host.
+// lookups, the fused SGD / Adagrad / LazyAdam apply, size, eviction, counters, export and
+// import, and the shard of a key. CPU only: the table is a parameter server's state, read and
+// written by the host.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -46,7 +47,18 @@ void HashTable::Apply(const int64_t* keys, const float* grads, int64_t n,
   }
   known_step_ = std::max(known_step_, a.iteration + 1);
   for (size_t u = 0; u < unique_keys.size(); ++u) {
-    float* row = RowLocked(FindOrInsertLocked(unique_keys[u]));
+    int64_t r;
+    if (config_.drops_missing()) {
+      auto it = index_.find(unique_keys[u]);
+      if (it == index_.end()) {
+        ++filtered_;
+        continue;
+      }
+      r = it->second;
+    } else {
+      r = FindOrInsertLocked(unique_keys[u]);
+    }
+    float* row = RowLocked(r);
     const float* g = sum.data() + u * dim;
     switch (a.optimizer) {
       case HashOptimizer::kSgd:
@@ -98,6 +110,75 @@ void HashTable::RelayoutLocked(HashOptimizer optimizer, float initial_accumulato
   }
 }
 
+int64_t HashTable::Evict(int64_t step, Evicted* removed) {
+  ::tensorflow::mutex_lock lock(mu_);
+  if (step < 0) step = known_step_;
+  const int64_t n = num_rows_, dim = config_.dim;
+  std::vector<int64_t> keys(n);
+  for (const auto& kv : index_) keys[kv.second] = kv.first;
+  std::vector<char> drop(n, 0);
+  int64_t kept = n;
+  if (config_.ttl_steps > 0) {
+    for (int64_t r = 0; r < n; ++r) {
+      if (step - MetaLocked(r).last_seen > config_.ttl_steps) {
+        drop[r] = 1;
+        --kept;
+      }
+    }
+    const size_t pending_before = pending_.size();
+    absl::erase_if(pending_, [&](const std::pair<const int64_t, Pending>& p) {
+      return step - p.second.last_seen > config_.ttl_steps;
+    });
+    if (pending_.size() < pending_before && pending_.size() * 4 < pending_.capacity()) {
+      pending_.rehash(0);  // give the memory back: the index shrinks to fit
+    }
+  }
+  if (config_.max_rows > 0 && kept > config_.max_rows) {
+    std::vector<int64_t> left;
+    left.reserve(kept);
+    for (int64_t r = 0; r < n; ++r) {
+      if (!drop[r]) left.push_back(r);
+    }
+    const int64_t excess = kept - config_.max_rows;
+    auto first_out = [&](int64_t a, int64_t b) {
+      const Meta &ma = MetaLocked(a), &mb = MetaLocked(b);
+      if (ma.frequency != mb.frequency) return ma.frequency < mb.frequency;
+      if (ma.last_seen != mb.last_seen) return ma.last_seen < mb.last_seen;
+      return keys[a] < keys[b];
+    };
+    std::nth_element(left.begin(), left.begin() + (excess - 1), left.end(), first_out);
+    for (int64_t i = 0; i < excess; ++i) drop[left[i]] = 1;
+    kept = config_.max_rows;
+  }
+  if (kept == n) return 0;
+  // Compaction in row order: survivors keep their relative order, the freed tail blocks go.
+  int64_t w = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    if (drop[r]) {
+      if (removed != nullptr) {
+        removed->keys.push_back(keys[r]);
+        removed->frequency.push_back(MetaLocked(r).frequency);
+        const float* row = RowLocked(r);
+        removed->values.insert(removed->values.end(), row, row + dim);
+      }
+      index_.erase(keys[r]);
+      continue;
+    }
+    if (w != r) {
+      const float* from = RowLocked(r);
+      std::copy(from, from + row_floats_, RowLocked(w));
+      MetaLocked(w) = MetaLocked(r);
+      index_[keys[r]] = w;
+    }
+    ++w;
+  }
+  num_rows_ = w;
+  blocks_.resize((w + kBlockRows - 1) >> kBlockShift);
+  if (index_.size() * 4 < index_.capacity()) index_.rehash(0);
+  evicted_ += n - w;
+  return n - w;
+}
+
 void HashTable::Export(Snapshot* s, int64_t* num_slots) const {
   ::tensorflow::tf_shared_lock lock(mu_);
   const int64_t n = num_rows_, dim = config_.dim, slots = NumSlots(optimizer_);
@@ -118,6 +199,14 @@ void HashTable::Export(Snapshot* s, int64_t* num_slots) const {
     s->frequency[r] = m.frequency;
     s->last_seen[r] = m.last_seen;
   }
+  s->pending_keys.clear();
+  s->pending_counts.clear();
+  s->pending_last_seen.clear();
+  for (const auto& kv : pending_) {
+    s->pending_keys.push_back(kv.first);
+    s->pending_counts.push_back(kv.second.count);
+    s->pending_last_seen.push_back(kv.second.last_seen);
+  }
 }
 
 Status HashTable::Import(const Snapshot& s, int64_t num_slots) {
@@ -131,6 +220,17 @@ Status HashTable::Import(const Snapshot& s, int64_t num_slots) {
                                      ".");
     }
   }
+  absl::flat_hash_map<int64_t, Pending> pending;
+  pending.reserve(s.pending_keys.size());
+  for (size_t i = 0; i < s.pending_keys.size(); ++i) {
+    const int64_t key = s.pending_keys[i];
+    if (index.contains(key) ||
+        !pending.emplace(key, Pending{s.pending_counts[i], s.pending_last_seen[i]}).second) {
+      return errors::InvalidArgument("pending_keys[", i, "] = ", key,
+                                     " appears twice, or also has a row, in the rows to import "
+                                     "into ", DebugString(), ".");
+    }
+  }
   if (num_slots < 0 || num_slots > 2) {
     return errors::InvalidArgument("Rows have 0 (SGD), 1 (Adagrad) or 2 (Adam) slots, got ",
                                    num_slots, ".");
@@ -138,6 +238,7 @@ Status HashTable::Import(const Snapshot& s, int64_t num_slots) {
   const int64_t dim = config_.dim, slots = num_slots;
   ::tensorflow::mutex_lock lock(mu_);
   index_.swap(index);
+  pending_.swap(pending);
   blocks_.clear();
   num_rows_ = 0;
   optimizer_ = static_cast<HashOptimizer>(num_slots);
@@ -165,6 +266,14 @@ Status ParseTableConfig(OpKernelConstruction* ctx, HashTableConfig* c) {
   TF_RETURN_IF_ERROR(ctx->GetAttr("initializer", &init));
   TF_RETURN_IF_ERROR(ctx->GetAttr("init_a", &a));
   TF_RETURN_IF_ERROR(ctx->GetAttr("init_b", &b));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("min_frequency", &c->min_frequency));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("ttl_steps", &c->ttl_steps));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("max_rows", &c->max_rows));
+  if (c->min_frequency < 0 || c->ttl_steps < 0 || c->max_rows < 0) {
+    return errors::InvalidArgument("min_frequency, ttl_steps and max_rows must be >= 0 (0: off), "
+                                   "got ", c->min_frequency, ", ", c->ttl_steps, ", ",
+                                   c->max_rows, ".");
+  }
   if (c->dim < 1) {
     return errors::InvalidArgument("dim (the embedding width) must be >= 1, got ", c->dim, ".");
   }
@@ -331,6 +440,51 @@ class HashTableExportOp : public OpKernel {
     OP_REQUIRES_OK(ctx, CopyOut(ctx, 3, TensorShape({n}), s.tags));
     OP_REQUIRES_OK(ctx, CopyOut(ctx, 4, TensorShape({n}), s.frequency));
     OP_REQUIRES_OK(ctx, CopyOut(ctx, 5, TensorShape({n}), s.last_seen));
+    const int64_t np = static_cast<int64_t>(s.pending_keys.size());
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 6, TensorShape({np}), s.pending_keys));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 7, TensorShape({np}), s.pending_counts));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 8, TensorShape({np}), s.pending_last_seen));
+  }
+};
+
+class HashTableEvictOp : public OpKernel {
+ public:
+  explicit HashTableEvictOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("with_rows", &with_rows_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HashTable> table;
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "hash table", &table));
+    int64_t step;
+    OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 1, "global_step", &step));
+    HashTable::Evicted removed;
+    // Without the rows, an eviction of many rows allocates nothing for them.
+    table->Evict(step, with_rows_ ? &removed : nullptr);
+    const int64_t n = static_cast<int64_t>(removed.keys.size());
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 0, TensorShape({n}), removed.keys));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 1, TensorShape({n, table->dim()}), removed.values));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 2, TensorShape({n}), removed.frequency));
+  }
+
+ private:
+  bool with_rows_;
+};
+
+class HashTableCountersOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HashTable> table;
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "hash table", &table));
+    const HashTable::Counters c = table->GetCounters();
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({5}), &out));
+    auto o = out->vec<int64_t>();
+    o(0) = c.rows;
+    o(1) = c.pending;
+    o(2) = c.admitted;
+    o(3) = c.filtered;
+    o(4) = c.evicted;
   }
 };
 
@@ -372,6 +526,25 @@ class HashTableImportOp : public OpKernel {
     for (int64_t i = 0; i < n; ++i) {
       OP_REQUIRES(ctx, s.tags[i] >= -1,
                   errors::InvalidArgument("tags[", i, "] = ", s.tags[i], " must be >= -1."));
+    }
+    const Tensor* pending_keys;
+    OP_REQUIRES_OK(ctx, ReadKeys(ctx, 7, "pending_keys", &pending_keys));
+    const int64_t np = pending_keys->dim_size(0);
+    const char* pending_names[] = {"pending_counts", "pending_last_seen"};
+    for (int i = 0; i < 2; ++i) {
+      const Tensor& t = ctx->input(8 + i);
+      OP_REQUIRES(ctx, t.shape() == TensorShape({np}),
+                  errors::InvalidArgument(pending_names[i], " must have shape [", np,
+                                          "] (len(pending_keys)), got ", t.shape().DebugString(),
+                                          "."));
+    }
+    s.pending_keys = vec(*pending_keys);
+    s.pending_counts = vec(ctx->input(8));
+    s.pending_last_seen = vec(ctx->input(9));
+    for (int64_t i = 0; i < np; ++i) {
+      OP_REQUIRES(ctx, s.pending_counts[i] >= 1,
+                  errors::InvalidArgument("pending_counts[", i, "] = ", s.pending_counts[i],
+                                          " must be >= 1."));
     }
     auto fv = values->flat<float>();
     s.values.assign(fv.data(), fv.data() + fv.size());
@@ -418,6 +591,10 @@ REGISTER_KERNEL_BUILDER(Name("GBA>HashTableExport").Device(::tensorflow::DEVICE_
                         HashTableExportOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>HashTableImport").Device(::tensorflow::DEVICE_CPU),
                         HashTableImportOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>HashTableEvict").Device(::tensorflow::DEVICE_CPU),
+                        HashTableEvictOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>HashTableCounters").Device(::tensorflow::DEVICE_CPU),
+                        HashTableCountersOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>HashKeyShard").Device(::tensorflow::DEVICE_CPU),
                         HashKeyShardOp);
 

@@ -32,6 +32,9 @@ REGISTER_OP("GBA>HashTableCreate")
     .Attr("initializer: {'uniform', 'normal', 'zeros'} = 'uniform'")
     .Attr("init_a: float = -0.05")
     .Attr("init_b: float = 0.05")
+    .Attr("min_frequency: int = 0")
+    .Attr("ttl_steps: int = 0")
+    .Attr("max_rows: int = 0")
     .Attr("container: string = ''")
     .Attr("shared_name: string = ''")
     .SetIsStateful()
@@ -41,6 +44,9 @@ Creates (or finds, by shared_name) one shard of an expandable hash embedding tab
 row (embedding [dim], the optimizer's slots, last_step tag, frequency, last_seen). A key's first
 embedding depends on (seed, key) only: uniform in [init_a, init_b), or normal with mean init_a and
 stddev init_b, from splitmix64's counter-based stream of the key.
+Admission and eviction (0: off): a key gets a row at its min_frequency-th training lookup (zero
+rows and filtered gradients before); HashTableEvict removes rows not seen for more than ttl_steps
+global steps, then the least frequent (ties: oldest last_seen, smallest key) beyond max_rows.
 )doc");
 
 REGISTER_OP("GBA>HashTableLookup")
@@ -113,6 +119,9 @@ REGISTER_OP("GBA>HashTableExport")
     .Output("tags: int64")
     .Output("frequency: int64")
     .Output("last_seen: int64")
+    .Output("pending_keys: int64")
+    .Output("pending_counts: int64")
+    .Output("pending_last_seen: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       DimensionHandle n = c->UnknownDim();
@@ -120,10 +129,12 @@ REGISTER_OP("GBA>HashTableExport")
       c->set_output(1, c->Matrix(n, c->UnknownDim()));
       c->set_output(2, c->MakeShape({n, c->UnknownDim(), c->UnknownDim()}));
       for (int i = 3; i < 6; ++i) c->set_output(i, c->Vector(n));
+      DimensionHandle np = c->UnknownDim();
+      for (int i = 6; i < 9; ++i) c->set_output(i, c->Vector(np));
       return ::tensorflow::OkStatus();
     })
     .Doc("Every row: keys [n], values [n, dim], slots [n, num_slots, dim], tags, frequency, "
-         "last_seen [n].");
+         "last_seen [n]; and admission's keys without a row, their counts and last-seen steps.");
 
 REGISTER_OP("GBA>HashTableImport")
     .Input("handle: resource")
@@ -133,14 +144,54 @@ REGISTER_OP("GBA>HashTableImport")
     .Input("tags: int64")
     .Input("frequency: int64")
     .Input("last_seen: int64")
+    .Input("pending_keys: int64")
+    .Input("pending_counts: int64")
+    .Input("pending_last_seen: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &unused));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(7), 1, &unused));
       return c->WithRank(c->input(3), 3, &unused);
     })
-    .Doc("Replaces the table's content with the given rows (a checkpoint restore).");
+    .Doc("Replaces the table's content with the given rows and pending counts (a checkpoint "
+         "restore).");
+
+REGISTER_OP("GBA>HashTableEvict")
+    .Input("handle: resource")
+    .Input("global_step: int64")
+    .Output("keys: int64")
+    .Output("values: float")
+    .Output("frequency: int64")
+    .Attr("with_rows: bool = true")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      DimensionHandle n = c->UnknownDim();
+      c->set_output(0, c->Vector(n));
+      c->set_output(1, c->Matrix(n, c->UnknownDim()));
+      c->set_output(2, c->Vector(n));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc(R"doc(
+Eviction at global_step (< 0: the table's own): removes the rows with
+global_step - last_seen > ttl_steps (and forgets pending counts last seen that long ago), then,
+while more than max_rows remain, the lowest frequency, ties to the oldest last_seen, then to the
+smallest key. Outputs the removed rows' keys, values and frequencies (empty with
+with_rows = false: the periodic and pre-checkpoint evictions, which need none of them).
+)doc");
+
+REGISTER_OP("GBA>HashTableCounters")
+    .Input("handle: resource")
+    .Output("counters: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(5));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("[rows, pending, admitted, filtered, evicted] of the shard since it was created.");
 
 REGISTER_OP("GBA>HashKeyShard")
     .Input("keys: int64")
