@@ -9,12 +9,12 @@ rows at that moment, as two variables (its keys sorted, and their rows), looked 
 inserted, the served rows never change. Checkpoints keep the table itself, with every row field.
 """
 
+import copy
 from typing import Optional
 
 import numpy as np
 import tensorflow as tf
-# TF internal (no public equivalent): whether a SavedModel is being written, and its options
-# (a new object for every save, so a save's rows are taken once and never reused by the next).
+# TF internal (no public equivalent): whether a SavedModel is being written, and its options.
 from tensorflow.python.saved_model import save_context  # pylint: disable=g-direct-tensorflow-import
 
 from tf_gba.ops import hash_initial_rows
@@ -58,25 +58,41 @@ class ServingRows(tf.Module):
     return tf.where(found[:, None], rows, hash_initial_rows.initial_rows(keys, **self._init))
 
 
-def _save_options():
-  return save_context.get_save_options() if save_context.in_save_context() else None
+class _ThisSave(tf.saved_model.SaveOptions):
+  """The options of the save being written, copied, as the mark of that one save."""
+  __slots__ = ()
+
+
+def _this_save() -> _ThisSave:
+  """An object that is the same all through the save being written and new for every save.
+
+  The save's options, copied and put in their place for the rest of the save (TF clears them
+  when it ends): a caller may pass one SaveOptions object to many saves, and each must take the
+  table's rows anew.
+  """
+  options = save_context.get_save_options()
+  if not isinstance(options, _ThisSave):
+    options = copy.copy(options)
+    options.__class__ = _ThisSave
+    save_context._save_context._options = options  # pylint: disable=protected-access
+  return options
 
 
 def serving_rows(layer) -> Optional[ServingRows]:
   """The rows `layer` serves in the SavedModel being written; None outside a save.
 
   Taken from the layer's table on the save's first request (eagerly, even while a function is
-  traced), then reused until the save ends.
+  traced), then reused until the save ends: every function of the save finds the same rows.
   """
-  options = _save_options()
-  if options is None:
+  if not save_context.in_save_context():
     return None
+  this_save = _this_save()
   taken = getattr(layer, "_tf_gba_serving", None)
-  if taken is None or taken[0] is not options:
+  if taken is None or taken[0] is not this_save:
     with tf.init_scope():
       rows = layer.table.export()
       normal = layer.embeddings_initializer == "normal"
-      taken = (options, ServingRows(
+      taken = (this_save, ServingRows(
           rows["keys"].numpy(), rows["values"].numpy(), layer.output_dim, layer.seed,
           layer.embeddings_initializer, layer.mean if normal else layer.minval,
           layer.stddev if normal else layer.maxval, name=f"{layer.name}_serving_rows"))
