@@ -183,7 +183,7 @@ def test_int_ids_trained_exported_and_served_without_tf_gba(tmp_path):
   assert any("/table/.ATTRIBUTES/keys" in n for n in names)
 
 
-def test_string_ids_and_a_later_export_serve_the_later_rows(tmp_path):
+def test_string_ids_and_a_later_save_with_the_same_options_serve_the_later_rows(tmp_path):
   words = np.array([f"w{i}" for i in range(12)])
   rng = np.random.default_rng(5)
   train_ids = words[rng.integers(0, 6, size=(24, FIELDS))]  # w0..w5 only
@@ -191,13 +191,14 @@ def test_string_ids_and_a_later_export_serve_the_later_rows(tmp_path):
   query = np.array([["w0", "w1", "w7"], ["w10", "w11", "never seen"]])
   expected_first = model(query, training=False).numpy().ravel()
   first = str(tmp_path / "1")
-  export_lib.export_for_serving(model, first)
+  options = tf.saved_model.SaveOptions()  # one object for both saves
+  tf.saved_model.save(model, first, options=options)
   size_first = emb.table.size()
   # More training on new words, then a second export: it holds the new rows too.
   more = words[rng.integers(6, 9, size=(16, FIELDS))]
   model.fit(more, np.ones((16, 1), np.float32), batch_size=8, verbose=0)
   second = str(tmp_path / "2")
-  export_lib.export_for_serving(model, second)
+  model.save(second, options=options)
   size_second = emb.table.size()
   assert size_second == size_first + len(np.unique(more))
   expected = model(query, training=False).numpy().ravel()
@@ -207,3 +208,19 @@ def test_string_ids_and_a_later_export_serve_the_later_rows(tmp_path):
   np.testing.assert_allclose(served[first]["pred"], expected_first, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(served[second]["pred"], expected, rtol=1e-6, atol=1e-6)
   assert not np.allclose(expected_first, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_ids_get_one_line_before_any_lookup():
+  # Besides those of tests/layers/test_hash_embedding.py: sparse ids, ids of rank 0 in a traced
+  # function, and float64 ids, named as passed (Keras casts them to float32 otherwise).
+  layer = HashEmbedding(DIM)
+  with pytest.raises(TypeError, match=r"SparseTensor: pass a dense tensor of ids \(tf.sparse"):
+    layer(tf.sparse.from_dense(tf.constant([[1, 0], [0, 2]], tf.int64)))
+  with pytest.raises(ValueError, match="are a scalar: pass at least one dimension"):
+    tf.function(layer)(tf.constant(3, tf.int64))
+  for ids in (np.array([[1.0, 2.0]]), tf.constant([[1.0]], tf.float64)):
+    with pytest.raises(TypeError) as e:
+      layer(ids)
+    assert str(e.value) == (
+        f"The ids of {layer.name} must be integers (int32/int64) or strings, got float64: cast "
+        "float ids with tf.cast(ids, tf.int64) if they hold whole numbers.")

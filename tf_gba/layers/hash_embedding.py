@@ -111,6 +111,9 @@ class HashEmbedding(keras.layers.Layer):
     # layer's message.
     if isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)):
       self._check_ids(inputs)
+    if _is_floating(getattr(inputs, "dtype", None)):
+      # Keras would cast float64 ids to float32 first: the message names the dtype passed.
+      self._check_ids(tf.zeros([0], inputs.dtype))
     return super().__call__(inputs, *args, **kwargs)
 
   def call(self, ids, training=None):
@@ -140,6 +143,13 @@ class HashEmbedding(keras.layers.Layer):
     return {**super().get_config(), "output_dim": self.output_dim, "seed": self.seed,
             "embeddings_initializer": self.embeddings_initializer, "minval": self.minval,
             "maxval": self.maxval, "mean": self.mean, "stddev": self.stddev}
+
+
+def _is_floating(dtype) -> bool:
+  try:
+    return dtype is not None and tf.as_dtype(dtype).is_floating
+  except TypeError:  # NumPy's str and object dtypes
+    return False
 
 
 @tf.custom_gradient
