@@ -139,10 +139,6 @@ def test_hash_embedding_is_refused_where_no_parameter_server_hosts_it(tmp_path, 
      "--embedding=hash in --mode=async needs the GBA buffers (M=1) that "
      "--noasync_staleness_stats turns off: the bare optimizer cannot update hash rows; drop one "
      "of the two."),
-    (dict(export_dir="/tmp/x"),
-     "--export_dir=/tmp/x: a run with --embedding=hash writes no serving SavedModel (its hash "
-     "table is a tf_gba resource that stock TensorFlow cannot load; the checkpoints hold every "
-     "row); drop --export_dir."),
     (dict(data="criteo:/nonexistent", data_options="ids=vocab"),
      "--data_options: 'ids' is set by --embedding (vocab: ids modulo vocab_size; hash: 64-bit "
      "fingerprints); drop it.")])
@@ -173,6 +169,11 @@ def test_hash_options_are_the_layers_arguments(tmp_path):
   cfg.validate()
   assert cfg.hash_options() == {"min_frequency": 2, "ttl_steps": 50, "max_rows": 1000}
   assert _config(tmp_path, steps=20).hash_options() is None
+
+
+def test_hash_embedding_takes_an_export_dir(tmp_path):
+  # Its serving SavedModel holds the table's rows in stock variables (docs/serving.md).
+  _config(tmp_path, embedding="hash", steps=20, export_dir=str(tmp_path / "serving")).validate()
 
 
 def test_hash_embedding_reads_criteo_as_fingerprints_and_vocab_as_before(tmp_path):

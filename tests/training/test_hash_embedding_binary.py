@@ -137,7 +137,12 @@ def test_gba_trains_one_pass_and_reports_the_table(gba_run):
   assert rows["frequency"].min() >= 1
   assert rows["frequency"].sum() <= STEPS * BATCH * FIELDS
   assert rows["tags"].max() == summary["global_step"] - 1
-  assert not os.path.exists(os.path.join(model_dir, "export"))  # no serving SavedModel
+  # The serving SavedModel holds every row (served by stock TensorFlow: test_serving_export.py).
+  assert os.listdir(os.path.join(model_dir, "export")) == [str(summary["global_step"])]
+  sizes = [shape for name, shape in tf.train.list_variables(os.path.join(
+      model_dir, "export", str(summary["global_step"]), "variables", "variables"))
+           if "serving_rows/sorted_keys" in name]
+  assert sizes == [[len(rows["keys"]) + 1]]  # and the largest int64, the search's end
 
 
 def test_async_trains_one_pass_and_reports_the_table(tmp_path):

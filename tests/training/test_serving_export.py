@@ -142,14 +142,17 @@ def test_export_dir_flag_values():
   assert export_lib.export_dir("/m", "") is None
 
 
-def test_the_binary_exports_a_servable_model(tmp_path):
+def _binary_export(tmp_path, *flags):
+  """A short binary run with `flags`: (its summary, its export's path, the served predictions of
+  an eval batch, those of the final checkpoint's parameters in the same model built here outside
+  any strategy, that model)."""
   model_dir = tmp_path / "m"
   env = dict(os.environ, PYTHONPATH=_ROOT)
   proc = subprocess.run(
       [sys.executable, os.path.join(_ROOT, "examples", "train.py"), "--mode=gba", "--num_ps=1",
        "--num_workers=2", "--steps=8", "--log_every=4", "--local_batch_size=32",
        "--eval_examples=256", "--stragglers=none", "--data_options=num_examples=4000",
-       f"--model_dir={model_dir}"], capture_output=True, text=True, timeout=400, env=env,
+       f"--model_dir={model_dir}", *flags], capture_output=True, text=True, timeout=400, env=env,
       cwd=_ROOT, check=False)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   with open(model_dir / "summary.json") as f:
@@ -157,20 +160,45 @@ def test_the_binary_exports_a_servable_model(tmp_path):
   (path,) = glob.glob(str(model_dir / "export" / "*"))
   # Numbered by the global step of the final checkpoint, as TF Serving's versions.
   assert os.path.basename(path) == str(summary["global_step"]) and summary["global_step"] >= 1
+  assert f"serving SavedModel {path}" in proc.stdout
   assert _gba_ops_in(path) == []
   # The reference: the final checkpoint's parameters in the same model, built outside any strategy.
-  config = TrainConfig(model_dir=str(model_dir), data_options="num_examples=4000")
+  config = TrainConfig(model_dir=str(model_dir), data_options="num_examples=4000",
+                       embedding=summary.get("embedding", "vocab"))
   data_kwargs = config.data_kwargs()
   info = data_lib.data_info(config.data, **data_kwargs)
   model = models_lib.build_model(config.model, info, embedding_dim=config.embedding_dim,
-                                 seed=config.seed)
+                                 seed=config.seed, embedding=config.embedding)
   tf.train.Checkpoint(model=model).read(summary["checkpoint"]).expect_partial()
   features, _ = next(iter(data_lib.make_dataset(config.data, split="eval", batch_size=64,
                                                 shuffle_seed=None, **data_kwargs)))
   expected = model(features, training=False).numpy().ravel()
   assert np.ptp(expected) > 0
   served = _serve(path, {k: v.numpy().tolist() for k, v in features.items()})
+  return summary, path, served, expected, model, features
+
+
+def test_the_binary_exports_a_servable_model(tmp_path):
+  _, _, served, expected, _, _ = _binary_export(tmp_path)
   np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_binary_exports_hash_embeddings_servable_without_tf_gba(tmp_path):
+  summary, path, served, expected, model, features = _binary_export(
+      tmp_path, "--embedding=hash", "--num_ps=2")
+  table = model.get_layer("categorical_embedding").table
+  rows = summary["hash_tables"]["categorical_embedding"]["rows"]
+  assert table.size() == rows > 0  # the reference's finds inserted nothing
+  # The export holds every row of the final checkpoint, and its serving inserted none (the
+  # loaded process's table is two variables; their sizes are read from the checkpoint).
+  sizes = {name: shape for name, shape in tf.train.list_variables(
+      os.path.join(path, "variables", "variables")) if "serving_rows" in name}
+  assert sorted(sizes.values()) == sorted([[rows + 1], [rows + 1, table.dim]])
+  # The eval batch holds ids the training never saw (served their initial rows): a training
+  # lookup of it here inserts them.
+  model(features, training=True)
+  assert table.size() > rows
+  np.testing.assert_allclose(served, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_an_empty_export_dir_writes_none(tmp_path):

@@ -25,6 +25,7 @@ from typing import List, Optional
 import tensorflow as tf
 import tf_keras as keras
 
+from tf_gba.layers import hash_embedding_serving
 from tf_gba.ops import hash_table_ops
 
 # The attribute of the anchor weight that names its table (read by the optimizer).
@@ -130,13 +131,19 @@ class HashEmbedding(keras.layers.Layer):
     # layer's message.
     if isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)):
       self._check_ids(inputs)
+    if _is_floating(getattr(inputs, "dtype", None)):
+      # Keras would cast float64 ids to float32 first: the message names the dtype passed.
+      self._check_ids(tf.zeros([0], inputs.dtype))
     return super().__call__(inputs, *args, **kwargs)
 
   def call(self, ids, training=None):
     keys = self._check_ids(ids)
     flat = tf.reshape(keys, [-1])
     unique, position = tf.unique(flat)
-    if training is False:
+    serving = hash_embedding_serving.serving_rows(self)
+    if serving is not None:  # a SavedModel is being written: its rows, found with stock ops
+      rows = serving.find(unique)
+    elif training is False:
       rows = self.table.find(unique)
     else:
       rows = _attach_gradient(self.hash_anchor.value(), self.table.lookup(unique), unique)
@@ -146,12 +153,25 @@ class HashEmbedding(keras.layers.Layer):
   def compute_output_shape(self, input_shape):
     return tf.TensorShape(input_shape).concatenate([self.output_dim])
 
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    children = super()._trackable_children(save_type, **kwargs)
+    if save_type == "savedmodel":  # read by servers without tf_gba's ops
+      children = hash_embedding_serving.savedmodel_children(self, children)
+    return children
+
   def get_config(self):
     return {**super().get_config(), "output_dim": self.output_dim, "seed": self.seed,
             "embeddings_initializer": self.embeddings_initializer, "minval": self.minval,
             "maxval": self.maxval, "mean": self.mean, "stddev": self.stddev,
             "min_frequency": self.min_frequency, "ttl_steps": self.ttl_steps,
             "max_rows": self.max_rows, "eviction_interval": self.eviction_interval}
+
+
+def _is_floating(dtype) -> bool:
+  try:
+    return dtype is not None and tf.as_dtype(dtype).is_floating
+  except TypeError:  # NumPy's str and object dtypes
+    return False
 
 
 @tf.custom_gradient

@@ -294,11 +294,6 @@ class TrainConfig:
           "parameter servers and is updated through the GBA optimizer, which only "
           f"{', '.join(mode_registry.hash_embedding_modes())} have; use one of them, or "
           "--embedding=vocab.")
-    if self.export_dir:
-      raise ValueError(f"--export_dir={self.export_dir}: a run with --embedding=hash writes no "
-                       "serving SavedModel (its hash table is a tf_gba resource that stock "
-                       "TensorFlow cannot load; the checkpoints hold every row); drop "
-                       "--export_dir.")
     if self.mode == "async" and not self.async_staleness_stats:
       raise ValueError("--embedding=hash in --mode=async needs the GBA buffers (M=1) that "
                        "--noasync_staleness_stats turns off: the bare optimizer cannot update "

@@ -2,7 +2,9 @@
 
 What a server loads must not need tf_gba: the optimizers' own state (GBA's gradient buffers and
 token count, DTS's copies) lives in resources made by tf_gba's ops and is left out of every
-SavedModel (`tf_gba.optimizers.wrapping`), whichever call writes it; checkpoints keep it. The
+SavedModel (`tf_gba.optimizers.wrapping`), whichever call writes it; checkpoints keep it. A
+HashEmbedding's table is replaced there by its rows in stock variables (tf_gba.layers.
+hash_embedding_serving), whichever call writes it too. The
 export here also leaves the optimizer out altogether: a server needs the model's variables and its
 serving signature only.
 
@@ -26,7 +28,8 @@ def export_for_serving(model, path: str) -> str:
   """Writes `model` (a tf_keras model, trained in any mode) as a serving SavedModel at `path`.
 
   The model's variables and its `serving_default` signature (the model's call on its inputs), no
-  optimizer. Written beside `path` first and renamed into place, so a server watching the parent
+  optimizer. A HashEmbedding's table goes in as its rows at this moment, found with stock ops
+  (tf_gba.layers.hash_embedding_serving): an unseen id gets its initial row, nothing is inserted. Written beside `path` first and renamed into place, so a server watching the parent
   directory never loads a half-written version; an existing `path` is replaced.
 
   Returns:
@@ -44,16 +47,7 @@ def export_for_serving(model, path: str) -> str:
 
 
 def export_after_run(model, config, global_step: int) -> Optional[str]:
-  """The binary's export at the end of a run (`config`: a TrainConfig): the path, or None.
-
-  None with --embedding=hash: a hash table is a tf_gba op's resource, which stock TensorFlow
-  cannot load (the checkpoint keeps every row; TrainConfig.validate refuses an explicit
-  --export_dir). The run says so where the export would be.
-  """
-  if getattr(config, "embedding", "vocab") == "hash":
-    print("no serving SavedModel (--embedding=hash: stock TensorFlow cannot load the hash "
-          "table; the checkpoint holds every row)", flush=True)
-    return None
+  """The binary's export at the end of a run (`config`: a TrainConfig): the path, or None."""
   root = export_dir(config.model_dir, config.export_dir)
   if root is None:
     return None
