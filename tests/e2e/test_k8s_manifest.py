@@ -1,11 +1,11 @@
 """examples/k8s/tfjob.yaml: a TFJob whose every role runs the project's binary or server."""
 
-import importlib.util
 import json
 import os
 
 from absl import flags
 
+from tests import train_binary
 from tf_gba.distribute import server
 from tf_gba.training import TrainConfig
 
@@ -22,11 +22,7 @@ def _load_manifest():
 
 
 def _binary_flags():
-  spec = importlib.util.spec_from_file_location(
-      "tf_gba_train_binary_k8s", os.path.join(_ROOT, "examples", "train.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  module.define_flags()
+  train_binary.load("tf_gba_train_binary_k8s")
   return flags.FLAGS
 
 

@@ -3,7 +3,6 @@ the real Criteo sample: gba and async train, the summary's rows and bytes are th
 rerun with another --num_ps resumes with the same rows. The refusals are at the end."""
 
 import gzip
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ import tensorflow as tf
 from absl import flags
 
 from tests import shared_data
+from tests import train_binary
 from tf_gba import data as data_lib
 from tf_gba import models as models_lib
 from tf_gba.ops import hash_table_ops
@@ -32,16 +32,7 @@ ROW_META = 24     # a row's tag, frequency and last_seen (int64 each)
 INDEX_SLOT = 17   # a key index slot: (int64 key, int64 row) and one control byte
 
 
-def _load_binary():
-  spec = importlib.util.spec_from_file_location(
-      "tf_gba_train_binary", os.path.join(_ROOT, "examples", "train.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  module.define_flags()
-  return module
-
-
-train = _load_binary()
+train = train_binary.load()
 
 
 def _run(model_dir, **overrides):

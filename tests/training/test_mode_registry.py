@@ -2,13 +2,13 @@
 
 import dataclasses
 import importlib
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
+from tests import train_binary
 from tf_gba.training import mode_registry
 from tf_gba.training.config import TrainConfig
 
@@ -64,12 +64,7 @@ def test_every_mode_runs_an_existing_function_and_names_its_flags():
 
 
 def _binary_flags():
-  spec = importlib.util.spec_from_file_location(
-      "tf_gba_train_binary", os.path.join(_ROOT, "examples", "train.py"))
-  train = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(train)
-  train.define_flags()
-  return set(train.FLAGS)
+  return set(train_binary.load().FLAGS)
 
 
 def test_binary_mode_enum_and_help_come_from_the_registry():

@@ -1,6 +1,5 @@
 """The training binary: main() with flags, on small data, asserting on what it wrote."""
 
-import importlib.util
 import json
 import os
 
@@ -8,21 +7,13 @@ import pytest
 from absl import flags
 
 from tests import shared_data
+from tests import train_binary
 from tf_gba.training import preflight
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _load_binary():
-  spec = importlib.util.spec_from_file_location(
-      "tf_gba_train_binary", os.path.join(_ROOT, "examples", "train.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  module.define_flags()
-  return module
-
-
-train = _load_binary()
+train = train_binary.load()
 FLAGS = flags.FLAGS
 
 
