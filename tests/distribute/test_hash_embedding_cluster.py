@@ -1,6 +1,7 @@
 """HashEmbedding on real TF servers (LocalCluster on 127.0.0.1): sharded over the parameter
-servers, trained under GBA and async, checkpointed, restored into 3 parameter servers and into
-one process with the same rows."""
+servers, trained under GBA and async (with model.fit and with a custom loop the coordinator
+schedules), checkpointed, restored into 3 parameter servers and into one process with the same
+rows."""
 
 import numpy as np
 import tensorflow as tf
@@ -107,3 +108,37 @@ def test_hash_embedding_trains_checkpoints_and_reshards(tmp_path):
   tf.train.Checkpoint(model=model, optimizer=model.optimizer).read(path).expect_partial()
   assert emb.table.num_shards == 1
   assert_same_rows(sorted_rows(emb.table), saved)
+
+
+def test_a_custom_loop_scheduled_on_the_workers_trains_the_table():
+  """ClusterCoordinator.schedule with strategy.run: the table's rows are found or inserted on
+  their parameter servers from the workers' steps, and GBA counts a global step per M pushes."""
+  with LocalCluster(num_ps=2, num_workers=2) as cluster:
+    strategy = GBAStrategy(cluster.resolver(), mode="gba")
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+      model, emb = build()
+      optimizer = GBA(keras.optimizers.Adagrad(0.1))
+      model(POOL[:FIELDS][None])
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: dataset_fn()))
+
+    @tf.function
+    def step(it):
+      def replica_fn(batch):
+        ids, labels = batch
+        with tf.GradientTape() as tape:
+          loss = tf.reduce_mean(tf.square(model(ids, training=True) - labels))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+      return strategy.run(replica_fn, args=(next(it),))
+
+    losses = [coordinator.schedule(step, args=(iterator,)) for _ in range(STEPS)]
+    coordinator.join()
+    assert all(np.isfinite(l.fetch()) for l in losses)
+    assert int(optimizer.iterations.numpy()) == STEPS // 2  # M = 2
+    rows = sorted_rows(emb.table)
+    assert len(rows["keys"]) > 0 and set(rows["keys"].tolist()) <= set(POOL.tolist())
+    assert rows["frequency"].sum() >= STEPS and rows["tags"].max() == STEPS // 2 - 1
+    for i, shard in enumerate(emb.table.shards):
+      assert all(hash_table_ops.mix64(int(k)) % 2 == i for k in shard.export()["keys"].numpy())
