@@ -239,10 +239,12 @@ class _Scheduler:
       stopping = self._session.shouldfail or self._session.shouldstop
       while self._pending and len(self._running) < self._jobs and not stopping:
         self._start(self._pending.pop(0))
-      wanted = [job for job in self._pending if job[0] == module]
-      for job in wanted:  # only after a stop: the one module still wanted
-        self._pending.remove(job)
-        self._start(job)
+      if stopping:  # after a stop (-x, --maxfail): the one module still wanted, alone
+        for job in [job for job in self._pending if job[0] == module]:
+          self._pending.remove(job)
+          self._start(job)
+      # Otherwise it waits for a free place like every other: starting it at once (because the
+      # replay reached it) would run more processes than --module-jobs.
       if self._left[module]:
         time.sleep(0.05)
     return self._done.pop(module)
