@@ -146,21 +146,10 @@ def run_collective_cluster(target: str, num_workers: int = 2,
         os.remove(result_path)
       logs.append(log_path)
       results_files.append(result_path)
-      argv = [f"--target={target}", f"--kwargs_json={kwargs_json}",
-              f"--result_file={result_path}"]
-      if server_forker.enabled() and python in (None, sys.executable):
-        open(log_path, "wb").close()
-        forker = server_forker.for_env(base_env, log_dir)
-        procs.append(forker.spawn(f"worker:{index}", argv, log_path, worker_env,
-                                  module="tf_gba.distribute.collective_cluster", cwd=cwd))
-        continue
-      with open(log_path, "wb") as log:
-        procs.append(subprocess.Popen(
-            [python or sys.executable, "-m", "tf_gba.distribute.collective_cluster",
-             f"--target={target}", f"--kwargs_json={kwargs_json}",
-             f"--result_file={result_path}"],
-            cwd=cwd, env=worker_env, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True))
+      procs.append(server_forker.launch(
+          f"worker:{index}", "tf_gba.distribute.collective_cluster",
+          [f"--target={target}", f"--kwargs_json={kwargs_json}", f"--result_file={result_path}"],
+          log_path, worker_env, cwd=cwd, append=False, python=python))
     deadline = time.monotonic() + timeout_s
     failure = None
     while True:

@@ -2,8 +2,8 @@
 
 Each PS and worker is a separate process running `tf_gba.distribute.server` with the op
 libraries loaded (forked from one process that has imported TensorFlow already:
-`tf_gba.distribute.server_forker`); this process becomes the coordinator ("chief"). The cluster is always torn down:
-on leaving the `with` block (also by an exception or Ctrl-C), at interpreter exit, and the servers
+`tf_gba.distribute.server_forker`); this process becomes the coordinator ("chief"). The cluster
+is always torn down: on leaving the `with` block (also by an exception or Ctrl-C), at interpreter exit, and the servers
 exit by themselves if this process dies.
 
 One exception to "on leaving the `with` block": while this process's TensorFlow context still
@@ -22,7 +22,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -184,25 +183,16 @@ class LocalCluster:
     log = os.path.join(self._logdir, f"{job}_{index}.log")
     self._logs[name] = log
     if job == "tfdata_worker":
-      cmd = [sys.executable, "-m", "tf_gba.distribute.server", "--job_name", job,
-             "--dispatcher_address", self.tfdata_dispatcher, "--host", self.host,
-             "--port", str(self._tfdata_ports[1 + index]), "--exit_with_parent"]
+      argv = ["--job_name", job, "--dispatcher_address", self.tfdata_dispatcher,
+              "--host", self.host, "--port", str(self._tfdata_ports[1 + index]),
+              "--exit_with_parent"]
     else:
-      cmd = [sys.executable, "-m", "tf_gba.distribute.server",
-             "--cluster_spec", json.dumps(self.cluster_spec), "--job_name", job,
-             "--task_index", str(index), "--inter_op_threads", str(self._inter_op),
-             "--exit_with_parent"]
+      argv = ["--cluster_spec", json.dumps(self.cluster_spec), "--job_name", job,
+              "--task_index", str(index), "--inter_op_threads", str(self._inter_op),
+              "--exit_with_parent"]
     # A session of its own, so Ctrl-C in a terminal reaches only us; we stop the servers.
     # Appended to: a restarted server's log follows the one of the process it replaces.
-    if server_forker.enabled():
-      open(log, "ab").close()  # there before the fork writes it: the readiness check reads it
-      forker = server_forker.for_env(env, self._logdir)
-      self._procs[name] = forker.spawn(name, cmd[3:], log, env, new_session=True)
-      return
-    with open(log, "ab") as f:
-      self._procs[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, env=env,
-                                           start_new_session=True)
+    self._procs[name] = server_forker.launch(name, "tf_gba.distribute.server", argv, log, env)
 
   def _wait_ready(self) -> None:
     deadline = time.time() + self._start_timeout

@@ -240,6 +240,24 @@ class Forker:
         return -signal.SIGKILL
 
 
+def launch(name: str, module: str, argv: List[str], log: str, env: Dict[str, str],
+           cwd: Optional[str] = None, append: bool = True, python: Optional[str] = None):
+  """Starts `python -m <module> argv` in a session of its own, its stdout and stderr in `log`
+  (appended to, or started afresh); returns its `subprocess.Popen` or `ForkedServer`.
+
+  Forked from this process's forker for `env` (kept beside `log`), unless forking is turned off
+  (`TF_GBA_FORK_SERVERS=0`) or another interpreter than this one is asked for.
+  """
+  mode = "ab" if append else "wb"
+  if enabled() and python in (None, sys.executable):
+    open(log, mode).close()  # there before the child writes it: readiness checks read it
+    return for_env(env, os.path.dirname(log)).spawn(name, argv, log, env, module=module, cwd=cwd)
+  with open(log, mode) as f:
+    return subprocess.Popen([python or sys.executable, "-m", module, *argv], cwd=cwd, env=env,
+                            stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
 _FORKERS: Dict[tuple, Forker] = {}
 _FORKERS_LOCK = threading.Lock()
 
