@@ -210,9 +210,14 @@ def test_the_readme_snippet_and_the_tutorial_end_quietly(tmp_path):
   assert len(foreign) <= _MAX_FOREIGN, "\n".join(foreign[:60])
   (result,) = own
   stats = result["stats"]
-  # 10 local batches of 8 on 2 workers, M = 16 / 8 = 2: every push is aggregated, none dropped.
+  # 10 local batches of 8 on 2 workers, M = 16 / 8 = 2: every push takes one of the M places.
+  # A push is dropped exactly when it is more than staleness_threshold = 3 steps stale; that
+  # happens when the coordinator schedules one worker's steps while the other waits (a loaded
+  # machine), so the count is checked against the staleness histogram, not assumed to be 0.
   assert stats["num_aggregate"] == 2 and stats["tokens_fetched"] == 10
-  assert stats["dense"]["pushes"] == 10 and stats["dense"]["dropped"] == 0
+  dense = stats["dense"]
+  assert dense["pushes"] == 10 and sum(dense["histogram"]) == 10
+  assert dense["nonfinite"] == 0 and dense["dropped"] == sum(dense["histogram"][4:])
   assert stats["global_step"] == 5
   assert all(0.0 < l < 10.0 for l in result["loss"])
 
