@@ -5,6 +5,8 @@ a straggler profile (the binary's default) auto still measures every worker's st
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 
@@ -14,6 +16,7 @@ import tensorflow as tf
 from tf_gba.training import runner
 from tf_gba.training.config import TrainConfig
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WINDOW_S = 10.0  # the trace's window: worker 1 is 4x slower between 10 s and 20 s of its clock
 STEPS = 480
 
@@ -120,3 +123,50 @@ def test_auto_measures_step_times_without_a_profile(tmp_path):
   # The efficiency is the measured QPS over the model's, N x B / slowest step.
   assert 0 < stay["efficiency"] == pytest.approx(summary["efficiency"]["sync"])
   assert summary["steps"] == 96 and 0.5 < summary["eval_auc"] <= 1.0
+
+
+def test_binary_without_a_profile_measures_both_modes_and_the_switch(tmp_path):
+  # The command, `examples/train.py --mode=auto` with no --stragglers, ended in
+  # `ValueError: step times must be > 0 seconds`: its steps carried no timing op. Here it runs as
+  # a user runs it, small, with GBA assumed at 10x its model (Sync measures at most its model),
+  # so that it switches at its first observation and both modes are measured.
+  model_dir = str(tmp_path / "model")
+  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.run(
+      [sys.executable, os.path.join(_ROOT, "examples", "train.py"), "--mode=auto",
+       "--model=deepfm", "--data=synthetic", "--data_options=num_examples=2000,vocab_size=4000",
+       "--num_workers=2", "--local_batch_size=32", "--steps=128", "--log_every=16",
+       "--eval_examples=256", "--auto_dwell_s=0", "--auto_confirm=1",
+       "--auto_gba_efficiency=10", f"--model_dir={model_dir}"],
+      capture_output=True, text=True, timeout=600, env=env, cwd=_ROOT, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "step times must be > 0" not in proc.stdout + proc.stderr
+  with open(os.path.join(model_dir, "summary.json")) as f:
+    summary = json.load(f)
+  assert summary["mode"] == "auto" and summary["stragglers"] == "none"
+  assert summary["steps"] == 128
+  sync, gba = summary["stays"][:2]
+  assert (sync["mode"], gba["mode"]) == ("sync", "gba")
+  for stay in (sync, gba):
+    assert stay["observations"] > 0 and stay["skipped_observations"] == 0
+    times = np.array(stay["step_seconds"])
+    assert times.shape == (stay["observations"], 2) and np.all(times > 0)
+    assert stay["efficiency"] > 0
+  # Sync's 2 x 32 every 8 global steps: its first observation, at worker step 32, switches.
+  first = summary["switches"][0]
+  assert (first["from"], first["to"], first["at_step"]) == ("sync", "gba", 32)
+  assert first["other_efficiency"] == 10.0 and first["expected_switch_cost_s"] == 30.0
+  # Its cost, from the decision to the end of GBA's first interval, and where it went.
+  assert first["cost_s"] > 0
+  breakdown, events = first["cost_breakdown_s"], first["cost_events_s"]
+  assert set(breakdown) >= {"end_stay_s", "to_checkpoint_s", "checkpoint_s", "exit_s", "start_s",
+                            "processes_s", "restore_s", "to_train_s", "first_interval_s"}
+  assert all(v >= 0 for v in breakdown.values()), breakdown
+  assert events["first_interval_end"] == pytest.approx(first["cost_s"])
+  assert list(events.values()) == sorted(events.values())  # in the order a switch passes them
+  assert breakdown["end_stay_s"] + breakdown["start_s"] + breakdown["first_interval_s"] <= (
+      first["cost_s"] + 1e-6)
+  assert summary["switch_seconds"] == pytest.approx(
+      sum(s["cost_s"] for s in summary["switches"] if s.get("cost_s") is not None))
+  assert "auto: switching sync -> gba" in proc.stdout
+  assert f"cost {first['cost_s']:.1f} s (end stay" in proc.stdout

@@ -349,3 +349,39 @@ def test_held_efficiencies_predict_the_current_mode_too():
     assert decision["expected_gba_qps"] == pytest.approx(3584 * 0.6)
     assert decision["expected_gain"] == pytest.approx(3584 * 0.6 / (2048 * 0.3))
     assert decision["efficiency"] == pytest.approx(measured / 2048)
+
+
+def test_switch_cost_breakdown_of_every_moment_by_hand():
+  from tf_gba.training import auto_job  # pylint: disable=g-import-not-at-top
+  # Decided at 100 s; checkpoint begun at 100.5, written at 102, processes gone at 104; the next
+  # stay called at 104.5, its processes up at 120, restored at 131, training from 133, its first
+  # worker step at 140 (tracing) and its first interval over at 146.
+  switch = {"decided_unix": 100.0, "checkpoint_begin_unix": 100.5, "saved_unix": 102.0,
+            "returned_unix": 104.0, "next_call_unix": 104.5, "cost_s": None}
+  info = {"started_unix": 120.0, "restored_unix": 131.0, "train_begin_unix": 133.0,
+          "first_step_unix": 140.0, "first_interval_end_unix": 146.0}
+  auto_job.account_switch(switch, info)
+  assert switch["cost_s"] == pytest.approx(46.0)
+  assert switch["cost_events_s"] == pytest.approx({
+      "checkpoint_begin": 0.5, "checkpoint_written": 2.0, "processes_exited": 4.0,
+      "next_stay_called": 4.5, "started": 20.0, "restored": 31.0, "train_begin": 33.0,
+      "first_step": 40.0, "first_interval_end": 46.0})
+  breakdown = switch["cost_breakdown_s"]
+  assert breakdown == pytest.approx({
+      "end_stay_s": 4.0, "to_checkpoint_s": 0.5, "checkpoint_s": 1.5, "exit_s": 2.0,
+      "start_s": 28.5, "processes_s": 15.5, "restore_s": 11.0, "to_train_s": 2.0,
+      "first_interval_s": 13.0, "to_first_step_s": 7.0, "first_steps_s": 6.0})
+  # The three parts and the call between the stays (0.5 s) add up to the cost.
+  assert (breakdown["end_stay_s"] + 0.5 + breakdown["start_s"] + breakdown["first_interval_s"]
+          == pytest.approx(switch["cost_s"]))
+  assert auto_job.describe_breakdown(breakdown) == (
+      "end stay 4.0 (to checkpoint 0.5, checkpoint 1.5, exit 2.0), start 28.5 (processes 15.5, "
+      "restore 11.0, to train 2.0), first interval 13.0 (to first step 7.0, first steps 6.0)")
+  # A first step outside the stay's first interval (a counter from before it) is left out.
+  early = dict(switch, cost_s=None)
+  auto_job.account_switch(early, dict(info, first_step_unix=90.0))
+  assert "first_step" not in early["cost_events_s"]
+  assert "to_first_step_s" not in early["cost_breakdown_s"]
+  assert early["cost_breakdown_s"]["first_interval_s"] == pytest.approx(13.0)
+  assert auto_job.describe_breakdown({"end_stay_s": 1.0, "start_s": 2.0}) == (
+      "end stay 1.0, start 2.0")

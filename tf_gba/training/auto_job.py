@@ -51,27 +51,60 @@ def switch_costs(switches: List[dict]) -> List[float]:
   return [s["cost_s"] for s in switches if s.get("cost_s") is not None]
 
 
+# The moments a switch passes through, in order: (name in `cost_events_s`, where it is read: the
+# switch's own record, from the stay that decided, or the next stay's `stay_info`).
+_EVENTS = (("checkpoint_begin", "switch", "checkpoint_begin_unix"),
+           ("checkpoint_written", "switch", "saved_unix"),
+           ("processes_exited", "switch", "returned_unix"),
+           ("next_stay_called", "switch", "next_call_unix"),
+           ("started", "next", "started_unix"),
+           ("restored", "next", "restored_unix"),
+           ("train_begin", "next", "train_begin_unix"),
+           ("first_step", "next", "first_step_unix"),
+           ("first_interval_end", "next", "first_interval_end_unix"))
+
+# Each part of `cost_breakdown_s`: the time between two of those moments. The first three add up
+# to the cost; the others split them where both ends were recorded.
+_PARTS = (
+    # Ending the stay: its checkpoint and its processes' exit.
+    ("end_stay_s", "decided", "processes_exited"),
+    # Process start, TensorFlow import, cluster, model build and restore.
+    ("start_s", "next_stay_called", "train_begin"),
+    # Tracing and the first interval of steps (not an observation).
+    ("first_interval_s", "train_begin", "first_interval_end"),
+    ("to_checkpoint_s", "decided", "checkpoint_begin"),  # the loop's end (Sync: a digest)
+    ("checkpoint_s", "checkpoint_begin", "checkpoint_written"),
+    ("exit_s", "checkpoint_written", "processes_exited"),  # summary, processes gone
+    ("processes_s", "next_stay_called", "started"),  # the next stay's processes up
+    ("restore_s", "started", "restored"),  # cluster, model and optimizer built, restored
+    ("to_train_s", "restored", "train_begin"),  # input pipeline, callbacks
+    ("to_first_step_s", "train_begin", "first_step"),  # tracing
+    ("first_steps_s", "first_step", "first_interval_end"))
+
+
 def account_switch(switch: dict, stay_info: dict) -> None:
   """Fills in `switch` (a decision, with `decided_unix` and `returned_unix`, when the stay that
-  decided had ended) from the next stay's `stay_info`: its cost, from the decision to the start
-  of the next mode's first observed interval, and where that time went."""
+  decided had ended) from the next stay's `stay_info`: its cost, from the decision to the end of
+  the next mode's first interval (the start of its first observed one), the moments it passed
+  through (`cost_events_s`, seconds after the decision) and the parts between them
+  (`cost_breakdown_s`)."""
   begin, first = stay_info.get("train_begin_unix"), stay_info.get("first_interval_end_unix")
   if begin is None or first is None or switch.get("decided_unix") is None:
     return  # the next stay ended before its first observation: no measured cost
   decided = switch["decided_unix"]
   switch["cost_s"] = first - decided
-  breakdown = {
-      # Ending the stay: its checkpoint and its processes' exit.
-      "end_stay_s": switch["returned_unix"] - decided,
-      # Process start, TensorFlow import, cluster, model build and restore.
-      "start_s": begin - switch["next_call_unix"],
-      # Tracing and the first interval of steps (not an observation).
-      "first_interval_s": first - begin}
-  if switch.get("checkpoint_begin_unix") is not None:  # a Sync stay reports these three
-    breakdown["to_checkpoint_s"] = switch["checkpoint_begin_unix"] - decided
-    breakdown["checkpoint_s"] = switch["saved_unix"] - switch["checkpoint_begin_unix"]
-    breakdown["exit_s"] = switch["returned_unix"] - switch["saved_unix"]
-  switch["cost_breakdown_s"] = breakdown
+  at = {"decided": decided}
+  for name, source, key in _EVENTS:
+    value = (switch if source == "switch" else stay_info).get(key)
+    if value is not None:
+      at[name] = float(value)
+  # A moment outside its neighbours' span (a clock read in another process, a worker whose
+  # first step came before this stay) is left out rather than given a negative part.
+  if "first_step" in at and not begin <= at["first_step"] <= first:
+    del at["first_step"]
+  switch["cost_events_s"] = {name: at[name] - decided for name, _, _ in _EVENTS if name in at}
+  switch["cost_breakdown_s"] = {part: at[b] - at[a] for part, a, b in _PARTS
+                                if a in at and b in at}
 
 
 def validate(config: TrainConfig) -> None:
@@ -102,6 +135,7 @@ class AutoWatch(keras.callbacks.Callback):
     self._last = None
     self._t0 = None
     self.first_interval_end_unix = None
+    self.first_step_unix = None
     self.train_begin_unix = None
 
   def on_train_begin(self, logs=None):
@@ -115,6 +149,10 @@ class AutoWatch(keras.callbacks.Callback):
     last, self._last = self._last, (now, steps, own)
     if last is None:
       self.first_interval_end_unix = now
+      # When the first worker began its first step: tracing and dispatch done (a stay's workers
+      # are new processes, so their op's first step is this stay's).
+      firsts = [w["first_step_unix"] for w in workers if w.get("first_step_unix")]
+      self.first_step_unix = min(firsts) if firsts else None
       self.policy.started(now)
       return  # the first interval pays for tracing and start-up: not an observation
     dt = max(now - last[0], 1e-9)
@@ -186,8 +224,12 @@ def run(config: TrainConfig) -> dict:
       summary = runner.run_parameter_server(stay, callbacks=[watch])
       decision, points = watch.decision, watch.timeline
       observations = policy.observations
+      phases = getattr(watch.job, "phase_unix", {}) if watch.job is not None else {}
       info = {"efficiency": policy.stay_efficiency(), "train_begin_unix": watch.train_begin_unix,
-              "skipped": policy.skipped}
+              "skipped": policy.skipped, "started_unix": phases.get("started"),
+              "restored_unix": phases.get("restored"), "first_step_unix": watch.first_step_unix,
+              "checkpoint_begin_unix": phases.get("checkpoint_begin"),
+              "saved_unix": phases.get("saved")}
     returned = time.time()
     info["first_interval_end_unix"] = points[0]["start_unix"] if points else None
     if switches and switches[-1]["cost_s"] is None:
@@ -252,6 +294,27 @@ def run(config: TrainConfig) -> dict:
   return out
 
 
+# The parts of a switch's cost and the parts each splits into (`cost_breakdown_s`).
+_SPLITS = (("end_stay_s", ("to_checkpoint_s", "checkpoint_s", "exit_s")),
+           ("start_s", ("processes_s", "restore_s", "to_train_s")),
+           ("first_interval_s", ("to_first_step_s", "first_steps_s")))
+
+
+def describe_breakdown(breakdown: dict) -> str:
+  """'end stay 3.0 (to checkpoint 0.4, checkpoint 1.2, exit 1.4), start ...' of a breakdown."""
+
+  def name(key):
+    return key[:-2].replace("_", " ")
+
+  out = []
+  for part, splits in _SPLITS:
+    if part not in breakdown:
+      continue
+    inner = ", ".join(f"{name(k)} {breakdown[k]:.1f}" for k in splits if k in breakdown)
+    out.append(f"{name(part)} {breakdown[part]:.1f}" + (f" ({inner})" if inner else ""))
+  return ", ".join(out)
+
+
 def print_auto(s: dict) -> None:
   lines = ["=" * 72,
            f"auto: {s['steps']} worker steps in {s['wall_seconds']:.1f} s (switches included; "
@@ -263,9 +326,7 @@ def print_auto(s: dict) -> None:
                  f"{st['global_qps']:,.0f})")
   for sw in s["switches"]:
     cost = ("not measured (the run ended first)" if sw.get("cost_s") is None else
-            f"{sw['cost_s']:.1f} s (" + ", ".join(
-                f"{k[:-2].replace('_', ' ')} {v:.1f}"
-                for k, v in sw["cost_breakdown_s"].items()) + ")")
+            f"{sw['cost_s']:.1f} s ({describe_breakdown(sw['cost_breakdown_s'])})")
     lines.append(f"  switch at step {sw['at_step']}: {sw['from']} -> {sw['to']}, expected gain "
                  f"{sw['expected_gain']:.2f} (threshold {sw['threshold']:.2f}; model "
                  f"{sw['predicted_gain']:.2f}), saves {sw['saved_s']:.1f} s > expected cost "

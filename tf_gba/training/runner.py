@@ -229,6 +229,7 @@ class _Job:
   def __init__(self, config: TrainConfig, strategy: GBAStrategy):
     self.config = config
     self.strategy = strategy
+    self.phase_unix = {}  # when the run reached its phases (run_parameter_server)
     self.data_kwargs = config.data_kwargs()
     self.info = data_lib.data_info(config.data, **self.data_kwargs)
     with strategy.scope():
@@ -443,8 +444,12 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
   """
   config = config.resolved()
   with _cluster(config) as (resolver, cluster):
+    cluster_up_unix = time.time()
     strategy = make_strategy(config, resolver)
     job = _Job(config, strategy)
+    # When the servers were up and when the model was built and restored, and (below) when the
+    # final checkpoint began and was written: --mode=auto's account of a switch.
+    job.phase_unix = {"started": cluster_up_unix, "restored": time.time()}
     # After the restore: a checkpoint of unknown origin that did not fit has raised by now.
     preflight.write_metadata(config)
     shared = None
@@ -573,7 +578,9 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     stats["hop_bw"] = strategy.hop_bw_stats()
     # The trained model is saved before anything that can still fail (the evaluation, its
     # snapshot, the summary): a failure there loses no step.
+    job.phase_unix["checkpoint_begin"] = time.time()
     saved = job.save_checkpoint()
+    job.phase_unix["saved"] = time.time()
     # After the save, which evicts first: the tables as the checkpoint holds them.
     tables = hash_tables.report(job.model, job.optimizer)
     recovery.report(config.model_dir, stats["global_step"], finished=True)

@@ -87,8 +87,9 @@ def _digest(variables) -> str:
 def _step_stats() -> Dict[str, float]:
   """This process's straggler counters: steps, busy and injected-delay seconds."""
   # The op reads the counters of the process it runs in; eagerly that is this worker's own.
-  steps, busy, delay, _ = [int(x) for x in stragglers_lib._ops().gba_worker_step_stats().numpy()[:4]]  # pylint: disable=protected-access
-  return {"steps": steps, "busy_seconds": busy * 1e-9, "delay_seconds": delay * 1e-9}
+  steps, busy, delay, first = [int(x) for x in stragglers_lib._ops().gba_worker_step_stats().numpy()[:4]]  # pylint: disable=protected-access
+  return {"steps": steps, "busy_seconds": busy * 1e-9, "delay_seconds": delay * 1e-9,
+          "first_step_unix": first * 1e-9}
 
 
 def build_and_restore(cfg: TrainConfig, strategy, info=None):
@@ -139,6 +140,7 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
     restore, None without a checkpoint); the chief (task 0) adds `checkpoint`, `eval_auc`,
     `eval_logloss`, `eval_examples`, `global_qps`.
   """
+  started_unix = time.time()  # --mode=auto's account of a switch: this process is running
   cfg = _worker_config(config)
   tf.get_logger().setLevel("WARNING")
   absl_logging.set_verbosity(absl_logging.WARNING)
@@ -155,6 +157,7 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
       print(_PROGRESS_PREFIX + msg, flush=True)
 
   model, optimizer, restored_from = build_and_restore(cfg, strategy, info)
+  restored_unix = time.time()  # cluster, model and optimizer built, checkpoint restored
   checkpoint = tf.train.Checkpoint(model=model)
   # Each worker's straggler position (step count, trace clock), in the checkpoint as the
   # parameter-server modes keep it: a trace goes on across a switch instead of starting over.
@@ -420,7 +423,10 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
   if policy is not None:
     result["auto"] = {"decision": decision, "observations": policy.observations,
                       "timeline": timeline, "skipped": policy.skipped,
-                      "efficiency": policy.stay_efficiency(), "train_begin_unix": begin_unix,
+                      "efficiency": policy.stay_efficiency(), "started_unix": started_unix,
+                      "restored_unix": restored_unix, "train_begin_unix": begin_unix,
+                      # When this worker began its first step (tracing done; the op's clock).
+                      "first_step_unix": stats["first_step_unix"] or None,
                       "checkpoint_begin_unix": checkpoint_begin_unix, "saved_unix": time.time()}
   if resume is not None:
     result.update(target_global_step=resume.target_global_step, restarts=resume.restarts,
