@@ -196,6 +196,10 @@ def define_flags() -> None:
                      "until one is measured (then the mean of the last two measured).")
   flags.DEFINE_float("auto_horizon_s", 60.0, "--mode=auto: a switch is taken when the time it "
                      "saves over this many seconds (at least --auto_dwell_s) exceeds its cost.")
+  flags.DEFINE_float("auto_probe_s", 0.0, "--mode=auto: start with a probe stay of this many "
+                     "training seconds in each mode (Sync, then GBA, which then stays or goes "
+                     "back by the usual rule), so that both efficiencies are measured before the "
+                     "policy relies on them; 0: no probe.")
 
 
 def _task_type() -> str:

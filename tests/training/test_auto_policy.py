@@ -135,7 +135,9 @@ def test_dwell_time():
     (dict(hysteresis=-0.1), "--auto_hysteresis"), (dict(dwell_s=-1), "--auto_dwell_s"),
     (dict(confirm=0), "--auto_confirm"), (dict(sync_efficiency=0), "--auto_sync_efficiency"),
     (dict(gba_efficiency=-1), "--auto_gba_efficiency"),
-    (dict(switch_cost_s=-1), "--auto_switch_cost_s"), (dict(horizon_s=0), "--auto_horizon_s")])
+    (dict(switch_cost_s=-1), "--auto_switch_cost_s"), (dict(horizon_s=0), "--auto_horizon_s"),
+    (dict(probe_s=-1), "--auto_probe_s"),
+    (dict(probe_s=5, learn_efficiency=False), "--noauto_learn_efficiency")])
 def test_bad_parameters(kwargs, flag):
   with pytest.raises(ValueError, match=flag):
     PolicyConfig(**kwargs)
@@ -385,3 +387,109 @@ def test_switch_cost_breakdown_of_every_moment_by_hand():
   assert early["cost_breakdown_s"]["first_interval_s"] == pytest.approx(13.0)
   assert auto_job.describe_breakdown({"end_stay_s": 1.0, "start_s": 2.0}) == (
       "end stay 1.0, start 2.0")
+
+
+def test_probe_stays_by_hand():
+  cfg = PolicyConfig(margin=0.1, hysteresis=0.05, dwell_s=100.0, confirm=2, switch_cost_s=20.0,
+                     horizon_s=200.0, probe_s=10.0)
+  quiet = [0.1] * 4  # model: Sync 4 x 256 / 0.1 = GBA 256 x 40 = 10,240
+  # The first stay, a probe of Sync: nothing before 10 s, even at a gain that pays ...
+  first = AutoPolicy(cfg, "sync", 256, probe="first")
+  assert observe(first, 5.0, [0.1, 0.1, 0.4, 0.4], 0.75) is None
+  # ... then GBA, after one observation, at a gain of 1 (a Sync stay would not switch).
+  decision = observe(first, 10.0, quiet, 0.75)
+  assert decision["probe"] is True and (decision["from"], decision["to"]) == ("sync", "gba")
+  assert decision["expected_gain"] == pytest.approx(10240.0 / 7680.0)
+  assert observe(AutoPolicy(cfg, "sync", 256), 10.0, quiet, 0.75) is None
+  # The second stay, GBA measured at 0.5 of its model against Sync's 0.75: expected gain
+  # 5,120 / 7,680 = 0.667 < 1.05, saves 200 x (7,680 / 5,120 - 1) = 100 s > 20 s: back to Sync
+  # after probe_s (10 s) and `confirm` observations, not after dwell_s (100 s).
+  second = AutoPolicy(cfg, "gba", 256, {"sync": 0.75}, [20.0], probe="second")
+  assert observe(second, 6.0, quiet, 0.5) is None  # one agreeing observation
+  back = observe(second, 11.0, quiet, 0.5)
+  assert back["probe"] is False and back["to"] == "sync"
+  assert back["expected_gain"] == pytest.approx(5120.0 / 7680.0)
+  assert back["saved_s"] == pytest.approx(100.0)
+  plain = AutoPolicy(cfg, "gba", 256, {"sync": 0.75}, [20.0])
+  assert observe(plain, 6.0, quiet, 0.5) is None and observe(plain, 11.0, quiet, 0.5) is None
+  # GBA measured at 0.85 instead: gain 8,704 / 7,680 = 1.133, not below 1.05: it stays.
+  stays = AutoPolicy(cfg, "gba", 256, {"sync": 0.75}, [20.0], probe="second")
+  assert all(observe(stays, t, quiet, 0.85) is None for t in (6.0, 11.0, 16.0, 200.0))
+  # The role travels to the Sync workers with the rest of the policy.
+  assert AutoPolicy.from_dict(second.to_dict()).probe == "second"
+  with pytest.raises(ValueError, match="probe"):
+    AutoPolicy(cfg, "sync", 256, probe="third")
+
+
+def job_decisions(intervals, eff, assumed, cfg):
+  """AutoPolicy fed `intervals` as the job (auto_job.run) feeds it: a new policy per stay, its
+  first interval skipped, each mode measured at its true efficiency `eff`, known to the next
+  stays at its last stay's mean (`assumed` before), the first stay a probe with cfg.probe_s and
+  the one after a probe 'second'."""
+  mode, policy, out, known, stays, in_mode = "sync", None, [], dict(assumed), 0, 0.0
+  for i, times in enumerate(intervals):
+    in_mode += 5.0  # seconds trained in this mode at the interval's end
+    if policy is None:
+      probe = None
+      if cfg.probe_s > 0 and stays == 0:
+        probe = "first"
+      elif out and out[-1][4] and stays == 1:
+        probe = "second"
+      policy = AutoPolicy(cfg, mode, 256, known, [cfg.switch_cost_s], probe=probe)
+      stays += 1
+      continue
+    d = observe(policy, in_mode, times, eff[mode])
+    if d is not None:
+      out.append((i, d["from"], d["to"], d["expected_gain"], d["probe"]))
+      known[mode] = policy.stay_efficiency()
+      mode, policy, in_mode = d["to"], None, 0.0
+  return out
+
+
+def test_simulator_replays_the_probe_and_the_learned_efficiencies():
+  # 60 quiet intervals of 5 s (four workers at 100 ms): Sync reaches 0.75 of its model, GBA 0.85,
+  # but the job assumes GBA at 0.5 before it has run it. A switch costs 20 s.
+  quiet = [[0.1] * 4] * 60
+  eff, assumed = {"sync": 0.75, "gba": 0.85}, {"sync": 1.0, "gba": 0.5}
+  rule = dict(margin=0.1, hysteresis=0.05, dwell_s=0.0, confirm=1, horizon_s=200.0)
+  # Without a probe the job expects GBA at 5,120 against Sync's measured 7,680: it never tries.
+  plain = simulate_auto.replay(quiet, 5.0, 256, eff, 20.0, assumed_efficiency=assumed, **rule)
+  assert plain.decisions == [] and plain.modes == ["sync"] * 60
+  assert plain.examples / plain.seconds == pytest.approx(7680.0)
+  # A 10-s probe: Sync's first observation (interval 1, 10 s in) hands over to GBA, which
+  # measures 8,704 against Sync's 7,680 (gain 1.133 >= 1.05) and stays: 20 s lost once, then
+  # 13 % faster.
+  probed = simulate_auto.replay(quiet, 5.0, 256, eff, 20.0, assumed_efficiency=assumed,
+                                probe_s=10.0, **rule)
+  assert [(d["interval"], d["to"], d["probe"]) for d in probed.decisions] == [(1, "gba", True)]
+  assert probed.modes == ["sync"] * 2 + ["gba"] * 58
+  assert probed.seconds == pytest.approx(300.0 + 20.0)
+  assert probed.examples == pytest.approx(5.0 * (2 * 7680 + 58 * 8704))
+  assert probed.examples / probed.seconds > plain.examples / plain.seconds
+  # GBA truly at 0.5: the probe finds it slower and goes back after probe_s, not dwell_s.
+  slow = {"sync": 0.75, "gba": 0.5}
+  back = simulate_auto.replay(quiet, 5.0, 256, slow, 20.0, assumed_efficiency=assumed,
+                              probe_s=10.0, **dict(rule, dwell_s=100.0))
+  assert [(d["interval"], d["to"], d["probe"]) for d in back.decisions] == [
+      (1, "gba", True), (3, "sync", False)]
+  assert back.decisions[1]["saved_s"] == pytest.approx(200.0 * (7680.0 / 5120.0 - 1))
+  # The policy, fed as the job feeds it, decides the same in all three.
+  for e, probe_s, dwell_s, got in ((eff, 0.0, 0.0, plain), (eff, 10.0, 0.0, probed),
+                                   (slow, 10.0, 100.0, back)):
+    cfg = PolicyConfig(switch_cost_s=20.0, probe_s=probe_s, sync_efficiency=1.0,
+                       gba_efficiency=0.5, **dict(rule, dwell_s=dwell_s))
+    want = job_decisions(quiet, e, assumed, cfg)
+    assert [(d["interval"], d["from"], d["to"], d["probe"]) for d in got.decisions] == [
+        (w[0], w[1], w[2], w[4]) for w in want]
+    assert [d["expected_gain"] for d in got.decisions] == pytest.approx([w[3] for w in want])
+
+
+def test_probe_roles_of_the_stays():
+  from tf_gba.training import auto_job  # pylint: disable=g-import-not-at-top
+  probing, plain = PolicyConfig(probe_s=5.0), PolicyConfig()
+  probe = [{"probe": True}]
+  assert [auto_job.probe_role(probing, n, sw) for n, sw in
+          ((0, []), (1, probe), (2, probe + [{"probe": False}]))] == ["first", "second", None]
+  # Without --auto_probe_s no stay probes, and a stay after a plain switch is plain.
+  assert [auto_job.probe_role(plain, n, sw) for n, sw in
+          ((0, []), (1, [{"probe": False}]))] == [None, None]

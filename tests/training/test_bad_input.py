@@ -82,6 +82,11 @@ def _criteo_rows(n):
      "(0, 10]"),
     (["--mode=auto", "--auto_switch_cost_s=-5"], "--auto_switch_cost_s must be >= 0"),
     (["--mode=auto", "--auto_horizon_s=0"], "--auto_horizon_s must be > 0"),
+    (["--mode=auto", "--auto_probe_s=-1"], "--auto_probe_s must be >= 0"),
+    (["--mode=auto", "--auto_probe_s=5", "--noauto_learn_efficiency"],
+     "--auto_probe_s measures each mode's efficiency at the start; with "
+     "--noauto_learn_efficiency"),
+    (["--mode=sync", "--auto_probe_s=5"], "--auto_probe_s"),
     (["--mode=auto", "--global_batch_size=128"],
      "--mode=auto does not use --global_batch_size (used by sync, gba); drop it"),
     # inf passes "> 0" and would train NaNs, exit 0.

@@ -11,7 +11,7 @@ Intervals are on the workers' training clock (a trace's clock, which a switch do
 """
 
 import dataclasses
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -56,10 +56,20 @@ class Replay:
 def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
            efficiency: Dict[str, float], switch_cost_s: float, *, margin: float = 0.3,
            hysteresis: float = 0.15, dwell_s: float = 20.0, confirm: int = 2,
-           horizon_s: float = 60.0, start: str = SYNC) -> Replay:
-  """Replays `--mode=auto` over intervals of per-worker step times ([intervals, N])."""
+           horizon_s: float = 60.0, start: str = SYNC, probe_s: float = 0.0,
+           assumed_efficiency: Optional[Dict[str, float]] = None) -> Replay:
+  """Replays `--mode=auto` over intervals of per-worker step times ([intervals, N]).
+
+  `probe_s` > 0: the first stay moves to the other mode after `probe_s` seconds and one
+  observation whatever the gain (a decision with `probe` True), and the second stay may be left
+  after `probe_s` seconds instead of `dwell_s`. `assumed_efficiency`: what the job assumes of a
+  mode before its first stay (the flags; default `efficiency`): a mode observed in a stay is
+  known at its true `efficiency` from that stay's end on, as the job learns it.
+  """
   horizon = max(horizon_s, dwell_s)
   mode, in_mode, agreeing, first = start, 0.0, 0, True
+  probe = "first" if probe_s > 0 else None
+  known = dict(efficiency if assumed_efficiency is None else assumed_efficiency)
   decisions, modes = [], []
   seconds = examples = 0.0
   for i, times in enumerate(np.asarray(step_seconds, np.float64)):
@@ -72,13 +82,20 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
     if first:  # start-up and tracing: not an observation
       first = False
       continue
-    e = expected_qps(times, local_batch_size, mode, qps, efficiency)
+    e = expected_qps(times, local_batch_size, mode, qps, known)
     saved = saved_seconds(e["expected"], mode, horizon)
     wants = e["gain"] >= 1 + margin if mode == SYNC else e["gain"] < 1 + margin - hysteresis
     agreeing = agreeing + 1 if wants and saved > switch_cost_s else 0
-    if agreeing >= confirm and in_mode >= dwell_s:
+    if probe == "first":
+      switch = in_mode >= probe_s
+    else:
+      switch = agreeing >= confirm and in_mode >= (probe_s if probe == "second" else dwell_s)
+    if switch:
       decisions.append({"interval": i, "from": mode, "to": other_mode(mode),
-                        "expected_gain": e["gain"], "saved_s": saved})
+                        "expected_gain": e["gain"], "saved_s": saved,
+                        "probe": probe == "first"})
+      known[mode] = efficiency[mode]  # the stay's measured efficiency, learned at its end
       mode, in_mode, agreeing, first = other_mode(mode), 0.0, 0, True
       seconds += switch_cost_s
+      probe = "second" if probe == "first" else None
   return Replay(decisions, modes, seconds, examples)

@@ -43,7 +43,7 @@ def policy_config(config: TrainConfig) -> auto_policy.PolicyConfig:
       confirm=config.auto_confirm, sync_efficiency=config.auto_sync_efficiency,
       gba_efficiency=config.auto_gba_efficiency,
       learn_efficiency=config.auto_learn_efficiency, switch_cost_s=config.auto_switch_cost_s,
-      horizon_s=config.auto_horizon_s)
+      horizon_s=config.auto_horizon_s, probe_s=config.auto_probe_s)
 
 
 def switch_costs(switches: List[dict]) -> List[float]:
@@ -105,6 +105,18 @@ def account_switch(switch: dict, stay_info: dict) -> None:
   switch["cost_events_s"] = {name: at[name] - decided for name, _, _ in _EVENTS if name in at}
   switch["cost_breakdown_s"] = {part: at[b] - at[a] for part, a, b in _PARTS
                                 if a in at and b in at}
+
+
+def probe_role(config: auto_policy.PolicyConfig, stays_before: int,
+               switches: List[dict]) -> Optional[str]:
+  """The next stay's `probe` (`AutoPolicy`): with --auto_probe_s the first stay probes its mode
+  and hands over to measure the other ("first"); the stay after that probe ("second") may be
+  left after the probe's time, by the usual rule; every other stay is a plain one (None)."""
+  if config.probe_s > 0 and stays_before == 0:
+    return "first"
+  if stays_before == 1 and switches and switches[-1].get("probe"):
+    return "second"
+  return None
 
 
 def validate(config: TrainConfig) -> None:
@@ -193,7 +205,9 @@ def run(config: TrainConfig) -> dict:
         f"{policy_cfg.switch_cost_s:g} s), after {policy_cfg.dwell_s:g} s in a mode and "
         f"{policy_cfg.confirm} agreeing observation(s); efficiencies before a first stay: sync "
         f"{policy_cfg.sync_efficiency:g}, gba {policy_cfg.gba_efficiency:g}"
-        f"{'' if policy_cfg.learn_efficiency else ' (held)'}; input: static shards", flush=True)
+        f"{'' if policy_cfg.learn_efficiency else ' (held)'}"
+        + (f"; probes each mode for {policy_cfg.probe_s:g} s first" if policy_cfg.probe_s > 0
+           else "") + "; input: static shards", flush=True)
   t_start = time.time()
   remaining = config.steps
   mode = auto_policy.SYNC
@@ -207,9 +221,10 @@ def run(config: TrainConfig) -> dict:
       # Sync's progress lines come every log_every global steps (N worker steps each): observe
       # both modes over about the same number of worker steps.
       stay = dataclasses.replace(stay, log_every=max(1, config.log_every // config.num_workers))
+    probe = probe_role(policy_cfg, len(stays), switches)
     policy = auto_policy.AutoPolicy(policy_cfg, mode, config.local_batch_size, efficiency,
                                     switch_costs(switches),
-                                    switches[-1]["decided_unix"] if switches else None)
+                                    switches[-1]["decided_unix"] if switches else None, probe)
     stay_t0 = time.time()
     if switches and "next_call_unix" not in switches[-1]:
       switches[-1]["next_call_unix"] = stay_t0
@@ -238,7 +253,7 @@ def run(config: TrainConfig) -> dict:
     if policy_cfg.learn_efficiency and stay_efficiency is not None:
       efficiency = dict(efficiency, **{mode: stay_efficiency})
     trained = int(summary["steps"])
-    stays.append({"mode": mode, "start_step": done_steps, "steps": trained,
+    stays.append({"mode": mode, "probe": probe, "start_step": done_steps, "steps": trained,
                   "start_seconds": stay_t0 - t_start, "seconds": returned - stay_t0,
                   "train_seconds": summary["wall_seconds"], "global_qps": summary["global_qps"],
                   "start_global_step": summary["start_global_step"],
@@ -258,7 +273,7 @@ def run(config: TrainConfig) -> dict:
           "checkpoint_begin_unix": info.get("checkpoint_begin_unix"),
           "saved_unix": info.get("saved_unix"),
           "at_seconds": returned - t_start,
-          "from": decision["from"], "to": decision["to"],
+          "from": decision["from"], "to": decision["to"], "probe": decision["probe"],
           "predicted_gain": decision["predicted_gain"], "threshold": decision["threshold"],
           "predicted_sync_qps": decision["predicted_sync_qps"],
           "predicted_gba_qps": decision["predicted_gba_qps"],
@@ -321,16 +336,18 @@ def print_auto(s: dict) -> None:
            f"{s['train_seconds']:.1f} s training), {s['global_qps']:,.0f} examples/s, "
            f"{s['num_switches']} switch(es), final AUC {s['eval_auc']:.4f}"]
   for st in s["stays"]:
+    eff = "" if st.get("efficiency") is None else f", efficiency {st['efficiency']:.2f}"
     lines.append(f"  {st['mode']:<5} from step {st['start_step']:>7}: {st['steps']} steps, "
                  f"{st['seconds']:.1f} s ({st['train_seconds']:.1f} s training, QPS "
-                 f"{st['global_qps']:,.0f})")
+                 f"{st['global_qps']:,.0f}{eff}){' (probe)' if st.get('probe') else ''}")
   for sw in s["switches"]:
     cost = ("not measured (the run ended first)" if sw.get("cost_s") is None else
             f"{sw['cost_s']:.1f} s ({describe_breakdown(sw['cost_breakdown_s'])})")
+    why = (f"saves {sw['saved_s']:.1f} s > expected cost {sw['expected_switch_cost_s']:.1f} s"
+           if not sw.get("probe") else f"a probe of {sw['to']}")
     lines.append(f"  switch at step {sw['at_step']}: {sw['from']} -> {sw['to']}, expected gain "
                  f"{sw['expected_gain']:.2f} (threshold {sw['threshold']:.2f}; model "
-                 f"{sw['predicted_gain']:.2f}), saves {sw['saved_s']:.1f} s > expected cost "
-                 f"{sw['expected_switch_cost_s']:.1f} s; cost {cost}; step seconds "
+                 f"{sw['predicted_gain']:.2f}), {why}; cost {cost}; step seconds "
                  + " ".join(f"{x:.3f}" for x in sw["per_worker_step_seconds"]))
   lines.append("=" * 72)
   print("\n".join(lines), flush=True)

@@ -65,6 +65,10 @@ class PolicyConfig:
   learn_efficiency: bool = True
   switch_cost_s: float = 30.0  # a switch's cost until the job has measured one
   horizon_s: float = 60.0      # the stay over which a switch must pay (at least dwell_s)
+  # Training seconds of a probe stay in each mode at the start (0: none): the first stay moves
+  # to the other mode after this long and one observation, whatever the gain; that mode's first
+  # stay may then be left after this long instead of dwell_s, by the usual rule.
+  probe_s: float = 0.0
 
   def __post_init__(self):
     if not self.margin > 0:
@@ -86,6 +90,12 @@ class PolicyConfig:
       raise ValueError(f"--auto_switch_cost_s must be >= 0, got {self.switch_cost_s}.")
     if not self.horizon_s > 0:
       raise ValueError(f"--auto_horizon_s must be > 0, got {self.horizon_s}.")
+    if not self.probe_s >= 0:
+      raise ValueError(f"--auto_probe_s must be >= 0, got {self.probe_s}.")
+    if self.probe_s > 0 and not self.learn_efficiency:
+      raise ValueError("--auto_probe_s measures each mode's efficiency at the start; with "
+                       "--noauto_learn_efficiency the measured values would not be used. Set one "
+                       "of them only.")
 
   @property
   def enter_gba(self) -> float:
@@ -122,11 +132,17 @@ class AutoPolicy:
   this stay's first observed interval (`started`), counts in this stay's decisions.
   `observe` is called once per logging interval with the seconds trained in this mode so far, the
   workers' step times and the measured QPS; it returns None, or the switch to make as a dict.
+
+  `probe`: this stay is the start's probe of its mode (`PolicyConfig.probe_s`): "first", it
+  moves to the other mode after probe_s seconds and one observation whatever the gain (the
+  decision has `probe` True); "second", the other mode has just been probed, and this one may be
+  left after probe_s seconds instead of dwell_s, by the usual rule.
   """
 
   def __init__(self, config: PolicyConfig, mode: str, local_batch_size: int,
                efficiency: Optional[Dict[str, float]] = None,
-               costs: Sequence[float] = (), decided_unix: Optional[float] = None):
+               costs: Sequence[float] = (), decided_unix: Optional[float] = None,
+               probe: Optional[str] = None):
     if mode not in MODES:
       raise ValueError(f"auto switches between {SYNC!r} and {GBA!r}, got {mode!r}.")
     self.config = config
@@ -136,6 +152,9 @@ class AutoPolicy:
     self.efficiency = dict(config.initial_efficiency(), **(efficiency or {}))
     self.costs = [float(c) for c in costs]
     self.decided_unix = decided_unix
+    if probe not in (None, "first", "second"):
+      raise ValueError(f"probe is None, 'first' or 'second', got {probe!r}.")
+    self.probe = probe
     self._agreeing = 0
     self.observations: List[dict] = []
     self.skipped = 0  # intervals without a usable step time (no step timed)
@@ -154,12 +173,12 @@ class AutoPolicy:
     """What a process that evaluates this policy elsewhere needs (`from_dict`)."""
     return {"config": dataclasses.asdict(self.config), "mode": self.mode,
             "local_batch_size": self.local_batch_size, "efficiency": self.efficiency,
-            "costs": self.costs, "decided_unix": self.decided_unix}
+            "costs": self.costs, "decided_unix": self.decided_unix, "probe": self.probe}
 
   @classmethod
   def from_dict(cls, d: dict) -> "AutoPolicy":
     return cls(PolicyConfig(**d["config"]), d["mode"], d["local_batch_size"], d["efficiency"],
-               d["costs"], d["decided_unix"])
+               d["costs"], d["decided_unix"], d.get("probe"))
 
   def wants_other_mode(self, gain: float) -> bool:
     if self.mode == SYNC:
@@ -200,15 +219,31 @@ class AutoPolicy:
               "horizon_s": self.config.horizon, "wants": wants, "pays": pays,
               "per_worker_step_seconds": [float(x) for x in per_worker]}
     self.observations.append(record)
-    if self._agreeing < self.config.confirm or trained_s < self.config.dwell_s:
+    threshold = self.config.enter_gba if self.mode == SYNC else self.config.leave_gba
+    if self.probe == "first":
+      # The other mode is to be measured, whatever this one predicts: after probe_s seconds.
+      if trained_s < self.config.probe_s:
+        return None
+      return dict(record, **{"from": self.mode, "to": self.other, "threshold": threshold,
+                             "probe": True})
+    min_stay_s = self.config.probe_s if self.probe == "second" else self.config.dwell_s
+    if self._agreeing < self.config.confirm or trained_s < min_stay_s:
       return None
-    return dict(record, **{"from": self.mode, "to": self.other,
-                           "threshold": (self.config.enter_gba if self.mode == SYNC
-                                         else self.config.leave_gba)})
+    return dict(record, **{"from": self.mode, "to": self.other, "threshold": threshold,
+                           "probe": False})
 
 
 def describe(decision: dict) -> str:
   """The log line of a decision."""
+  if decision.get("probe"):
+    return (f"auto: probing {decision['to']} (its efficiency is not measured yet): "
+            f"{decision['from']} measured {decision['measured_qps']:,.0f} QPS, "
+            f"{decision['efficiency']:.2f} of its model; expected gain "
+            f"{decision['expected_gain']:.2f} (GBA {decision['expected_gba_qps']:,.0f} vs Sync "
+            f"{decision['expected_sync_qps']:,.0f} QPS, {decision['to']} assumed at "
+            f"{decision['other_efficiency']:.2f}); model gain {decision['predicted_gain']:.2f}, "
+            "per-worker step seconds "
+            + " ".join(f"{x:.3f}" for x in decision["per_worker_step_seconds"]))
   op = ">=" if decision["from"] == SYNC else "<"
   return (f"auto: switching {decision['from']} -> {decision['to']}: expected gain "
           f"{decision['expected_gain']:.2f} {op} {decision['threshold']:.2f} (GBA "

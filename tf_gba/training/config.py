@@ -129,6 +129,9 @@ class TrainConfig:
   auto_learn_efficiency: bool = True
   auto_switch_cost_s: float = 30.0
   auto_horizon_s: float = 60.0
+  # Seconds of a probe stay in each mode at the start (0: none): both modes' efficiencies are
+  # measured before the first decision on them.
+  auto_probe_s: float = 0.0
   # ShadowSync's elastic alpha (every rule); S-BMUF's step size eta, block momentum and Nesterov;
   # ASGD without gradient delay's maximal staleness tau and algorithm (1, or 2: cycles of tau/2);
   # a delay injected into every sync or merge (tests and benchmarks of background syncing).
