@@ -4,11 +4,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from tf_gba.distribute import LocalCluster
+from tf_gba.distribute import server_forker
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -123,3 +125,71 @@ def test_servers_the_process_still_refers_to_exit_with_it():
   for text in ("Connection refused", "Failed to remove function", "Unable to destroy"):
     assert text not in proc.stderr, proc.stderr[-3000:]
   assert _wait_dead([int(p) for p in pids]) == []
+
+
+def test_a_warmed_forker_is_the_one_the_cluster_forks_from(tmp_path):
+  """local_cluster.warm_forker starts the forker a LocalCluster started later in the process uses
+  (--mode=auto starts it beside its first Sync stay): the cluster's servers are its children,
+  and no other forker is started."""
+  code = ("import os, sys\n"
+          "from tf_gba.distribute import LocalCluster, local_cluster, server_forker\n"
+          "local_cluster.warm_forker(sys.argv[1])\n"
+          "(warm,) = [f._proc.pid for f in server_forker._FORKERS.values()]\n"
+          "with LocalCluster(num_ps=1, num_workers=1) as c:\n"
+          "  forkers = [f._proc.pid for f in server_forker._FORKERS.values()]\n"
+          "  parents = [int(open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[1])\n"
+          "             for p in c.pids]\n"
+          "  print(warm, ' '.join(map(str, forkers)), '|', ' '.join(map(str, parents)),\n"
+          "        flush=True)\n")
+  proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=_ROOT,
+                        capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, TF_GBA_FORK_SERVERS="1"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  head, parents = proc.stdout.strip().splitlines()[-1].split("|")
+  warm, *forkers = [int(p) for p in head.split()]
+  assert forkers == [warm]  # no second forker
+  assert [int(p) for p in parents.split()] == [warm, warm]  # ps:0 and worker:0, its children
+  assert (tmp_path / "server_forker.log").exists()
+
+
+def test_one_forker_starting_does_not_hold_up_another_environments(monkeypatch, tmp_path):
+  """Starting a forker takes seconds (its TensorFlow import): a cluster of another environment
+  (--mode=auto's Sync workers while the parameter servers' forker warms) does not wait for it;
+  one of the same environment does, and gets that forker rather than a second."""
+  started, release = threading.Event(), threading.Event()
+
+  class SlowForker:
+    def __init__(self, env, log_path):
+      del log_path
+      self.env = env
+      if env["TF_CPP_MIN_LOG_LEVEL"] == "3":
+        started.set()
+        release.wait(30)
+
+    def alive(self):
+      return True
+
+  monkeypatch.setattr(server_forker, "Forker", SlowForker)
+  monkeypatch.setattr(server_forker, "_FORKERS", {})
+  monkeypatch.setattr(server_forker, "_KEY_LOCKS", {})
+  slow_env, other_env = {"TF_CPP_MIN_LOG_LEVEL": "3"}, {"TF_CPP_MIN_LOG_LEVEL": "2"}
+  results = {"slow": [], "other": [], "same": []}
+
+  def get(name, env):
+    results[name].append(server_forker.for_env(env, str(tmp_path)))
+
+  slow = threading.Thread(target=get, args=("slow", slow_env), daemon=True)
+  slow.start()
+  assert started.wait(10)
+  other = threading.Thread(target=get, args=("other", other_env), daemon=True)
+  other.start()
+  other.join(5)
+  assert len(results["other"]) == 1 and results["other"][0].env == other_env
+  same = threading.Thread(target=get, args=("same", dict(slow_env)), daemon=True)
+  same.start()
+  same.join(0.5)
+  assert results["same"] == [] and results["slow"] == []  # waiting for the one starting
+  release.set()
+  slow.join(10)
+  same.join(10)
+  assert results["same"][0] is results["slow"][0]

@@ -83,6 +83,25 @@ def stop_lingering_servers() -> int:
   return len(procs)
 
 
+def server_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+  """The environment of a LocalCluster's servers (`env`: the cluster's own additions)."""
+  out = dict(os.environ)
+  out.update(env or {})
+  out.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  out["CUDA_VISIBLE_DEVICES"] = out.get("TF_GBA_SERVER_GPUS", "")
+  out.pop("TF_CONFIG", None)
+  return out
+
+
+def warm_forker(log_dir: str, env: Optional[Dict[str, str]] = None) -> None:
+  """Starts now the server forker a LocalCluster with `env` started later in this process would
+  start (`server_forker`: a TensorFlow import, seconds), so that its servers start without that
+  wait; nothing if forking is off. `log_dir`: where the forker's log goes."""
+  if server_forker.enabled():
+    os.makedirs(log_dir, exist_ok=True)
+    server_forker.for_env(server_env(env), log_dir)
+
+
 class LocalCluster:
   """Starts `num_ps` parameter servers and `num_workers` workers as local processes.
 
@@ -175,11 +194,7 @@ class LocalCluster:
 
   def _spawn(self, job: str, index: int) -> None:
     name = f"{job}:{index}"
-    env = dict(os.environ)
-    env.update(self._env)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env["CUDA_VISIBLE_DEVICES"] = env.get("TF_GBA_SERVER_GPUS", "")
-    env.pop("TF_CONFIG", None)
+    env = server_env(self._env)
     log = os.path.join(self._logdir, f"{job}_{index}.log")
     self._logs[name] = log
     if job == "tfdata_worker":

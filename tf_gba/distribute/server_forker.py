@@ -260,6 +260,8 @@ def launch(name: str, module: str, argv: List[str], log: str, env: Dict[str, str
 
 _FORKERS: Dict[tuple, Forker] = {}
 _FORKERS_LOCK = threading.Lock()
+_KEY_LOCKS: Dict[tuple, threading.Lock] = {}  # one per environment: starting one forker (seconds)
+                                              # does not hold up the clusters of another
 
 
 def for_env(env: Dict[str, str], log_dir: str) -> Forker:
@@ -267,6 +269,8 @@ def for_env(env: Dict[str, str], log_dir: str) -> Forker:
   for the process's later clusters)."""
   key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME_PREFIXES)))
   with _FORKERS_LOCK:
+    key_lock = _KEY_LOCKS.setdefault(key, threading.Lock())
+  with key_lock:
     forker = _FORKERS.get(key)
     if forker is None or not forker.alive():
       forker = Forker(env, os.path.join(log_dir, "server_forker.log"))

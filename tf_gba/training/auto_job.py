@@ -25,6 +25,9 @@ Without a straggler profile the stays run the `timed` profile: every step timed,
 
 import dataclasses
 import os
+import shutil
+import tempfile
+import threading
 import time
 from typing import List, Optional
 
@@ -119,6 +122,18 @@ def probe_role(config: auto_policy.PolicyConfig, stays_before: int,
   return None
 
 
+def _warm_ps_forker(log_dir: str) -> None:
+  """Starts the server forker the GBA stays' LocalCluster will use (`local_cluster.warm_forker`);
+  a failure here only leaves the first GBA stay to start it, as it would have."""
+  from tf_gba.distribute import local_cluster  # pylint: disable=g-import-not-at-top
+  from tf_gba.training import preflight  # pylint: disable=g-import-not-at-top
+  try:
+    local_cluster.warm_forker(log_dir)
+  except Exception as e:  # pylint: disable=broad-except
+    print(f"tf_gba: mode=auto: could not start the parameter servers' forker ahead of a "
+          f"switch ({preflight.first_line(e)[:200]}); the first GBA stay starts it.", flush=True)
+
+
 def validate(config: TrainConfig) -> None:
   """Raises ValueError, naming the flag, if `config` cannot run in auto mode."""
   policy_config(config)
@@ -209,6 +224,12 @@ def run(config: TrainConfig) -> dict:
         + (f"; probes each mode for {policy_cfg.probe_s:g} s first" if policy_cfg.probe_s > 0
            else "") + "; input: static shards", flush=True)
   t_start = time.time()
+  # The first switch to GBA would wait for the parameter-server cluster's server forker to import
+  # TensorFlow (seconds; later switches find it running): start it now, beside the Sync stay.
+  warm_dir = config.log_dir or tempfile.mkdtemp(prefix="tf_gba_auto_forker_")
+  warming = threading.Thread(target=_warm_ps_forker, args=(warm_dir,), daemon=True,
+                             name="auto-warm-forker")
+  warming.start()
   remaining = config.steps
   mode = auto_policy.SYNC
   done_steps = 0
@@ -292,6 +313,8 @@ def run(config: TrainConfig) -> dict:
     if trained <= 0:
       break  # nothing more can be trained (not expected): do not loop
   wall = time.time() - t_start
+  if not config.log_dir:
+    shutil.rmtree(warm_dir, ignore_errors=True)  # the forker's log (the forker keeps it open)
   out = dict(summary)
   out.pop("auto", None)
   out.update({
