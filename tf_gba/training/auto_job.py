@@ -66,8 +66,9 @@ _EVENTS = (("checkpoint_begin", "switch", "checkpoint_begin_unix"),
            ("first_step", "next", "first_step_unix"),
            ("first_interval_end", "next", "first_interval_end_unix"))
 
-# Each part of `cost_breakdown_s`: the time between two of those moments. The first three add up
-# to the cost; the others split them where both ends were recorded.
+# Each part of `cost_breakdown_s`: the time between two of those moments. The first three and
+# the call from one stay to the next (milliseconds) add up to the cost; the others split them
+# where both ends were recorded.
 _PARTS = (
     # Ending the stay: its checkpoint and its processes' exit.
     ("end_stay_s", "decided", "processes_exited"),
