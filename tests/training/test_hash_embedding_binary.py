@@ -235,10 +235,11 @@ def _train_subprocess(*args):
 
 
 def test_a_mode_that_cannot_host_the_table_is_refused_in_one_line(tmp_path):
-  proc = _train_subprocess("--mode=sync", "--embedding=hash", f"--model_dir={tmp_path / 'm'}")
+  proc = _train_subprocess("--mode=dts", "--embedding=hash", f"--model_dir={tmp_path / 'm'}")
   assert proc.returncode == 2
   assert proc.stderr.strip() == (
-      "train.py: error: --embedding=hash cannot run in --mode=sync: the hash table lives on the "
-      "parameter servers and is updated through the GBA optimizer, which only gba, async, bsp, "
-      "hop_bs, hop_bw, async_tuned have; use one of them, or --embedding=vocab.")
+      "train.py: error: --embedding=hash cannot run in --mode=dts: the hash table lives on the "
+      "parameter servers, updated through the GBA optimizer, or whole on every worker of "
+      "--mode=sync; only sync, gba, async, bsp, hop_bs, hop_bw, async_tuned host it; use one of "
+      "them, or --embedding=vocab.")
   assert not os.path.exists(tmp_path / "m")  # refused before anything was written

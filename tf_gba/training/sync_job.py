@@ -37,6 +37,7 @@ from tf_gba import models as models_lib
 from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.common import interrupt
 from tf_gba.common import metrics
+from tf_gba.optimizers import hash_rows
 from tf_gba.training import export as export_lib
 from tf_gba.training import preflight
 from tf_gba.training import recovery
@@ -99,8 +100,11 @@ def build_and_restore(cfg: TrainConfig, strategy, info=None):
   """
   info = info or data_lib.data_info(cfg.data, **cfg.data_kwargs())
   with strategy.scope():
+    # --embedding=hash: a HashEmbedding whose table every worker holds whole
+    # (tf_gba.optimizers.hash_rows.apply_replicated keeps the copies identical).
     model = models_lib.build_model(cfg.model, info, embedding_dim=cfg.embedding_dim,
-                                   seed=cfg.seed)
+                                   seed=cfg.seed, embedding=cfg.embedding,
+                                   hash_options=cfg.hash_options())
     optimizer = keras.optimizers.Adam(cfg.learning_rate)
     model.compile(optimizer, loss=keras.losses.BinaryCrossentropy())
     # Slots now, so that a restore fills them and the checkpoint has the parameter-server modes'
@@ -112,6 +116,9 @@ def build_and_restore(cfg: TrainConfig, strategy, info=None):
   latest, _ = preflight.restore_latest_usable(
       cfg.model_dir, lambda path: resharding.restore_training_state(path, model, optimizer),
       lambda line: print(line, flush=True))
+  if latest:
+    # The tables' own step (their lookups' last_seen) from the restored global step.
+    hash_rows.align_replicated_step(optimizer, model.trainable_variables)
   return model, optimizer, latest
 
 
@@ -217,8 +224,12 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
                                                             expand_composites=True)
                for g in grads]
       loss = tf.identity(loss)
-    # Aggregates (all-reduce SUM across the workers) before applying.
-    optimizer.apply_gradients(zip(grads, variables))
+    # Hash rows: all-gathered, summed per key and applied by every worker's table (first: the
+    # table's LazyAdam step is this step's iterations, which apply_gradients advances). The other
+    # variables: all-reduce SUM across the workers, then Adam.
+    hashed, dense = hash_rows.split_hash_gradients(zip(grads, variables))
+    with tf.control_dependencies([hash_rows.apply_replicated(optimizer, hashed)]):
+      optimizer.apply_gradients(dense)
     return loss
 
   @tf.function
