@@ -5,12 +5,18 @@ Used like `tf_keras.layers.Embedding`, without a vocabulary: any int64 id (or st
 Without a strategy the table lives in this process; under a ParameterServerStrategy (such as
 `tf_gba.distribute.GBAStrategy`) it is sharded over the parameter servers by `mix64(id) mod P`, and
 each worker step deduplicates its ids and sends every shard only its own, in one lookup per shard.
+Under an all-reduce strategy (MultiWorkerMirroredStrategy, one replica per process) every worker
+holds the whole table, and a training lookup looks up the union of all replicas' ids (all-gathered)
+so that every copy counts and inserts the same keys.
 
 Gradients: the layer's rows reach the optimizer as the gradient of the layer's `hash_anchor`
 weight, an `IndexedSlices` whose indices are the ids themselves. `tf_gba.optimizers.GBA` (every
 mode: gba, async, bsp, hop_bs, hop_bw; with M = 1 outside a strategy, every gradient is applied as
 it comes) sends them through a keyed sparse buffer per shard (per-ID staleness from the row's own
-tag) to the table's fused SGD, Adagrad or LazyAdam update on the parameter server.
+tag) to the table's fused SGD, Adagrad or LazyAdam update on the parameter server. Under an
+all-reduce strategy, `tf_gba.optimizers.hash_rows.apply_replicated` all-gathers the replicas' rows'
+gradients, sums them per key and applies the same fused update on every worker (Sync, SPEC
+section 6); the sync job (`--mode=sync`) does this.
 
 Example:
 
@@ -78,10 +84,7 @@ def _replica_context():
   """This replica's context under an all-reduce strategy (inside `strategy.run`), else None."""
   if not tf.distribute.has_strategy() or not is_replicated(tf.distribute.get_strategy()):
     return None
-  ctx = tf.distribute.get_replica_context()
-  if ctx is None or ctx.num_replicas_in_sync < 1:
-    return None
-  return ctx
+  return tf.distribute.get_replica_context()  # None in a cross-replica context
 
 
 def all_gather_rows(ctx, tensors: List[tf.Tensor]) -> Tuple[List[tf.Tensor], tf.Tensor]:

@@ -8,6 +8,10 @@ decay and divisor as a partitioned row), and a completed aggregate goes, on that
 server, to the table's fused update with the inner optimizer's hyper-parameters. A table with
 `ttl_steps` or `max_rows` then evicts on that shard, on the parameter server, whenever the
 aggregation brought its global step to a multiple of the table's `eviction_interval`.
+
+Sync (all-reduce, every worker holding the whole table): `apply_replicated` all-gathers the
+replicas' (key, gradient row) pairs, sums them per key and applies the same fused update on
+every worker; `split_hash_gradients` separates the anchors' gradients from those Keras applies.
 """
 
 from typing import Callable, Dict, List, Tuple
