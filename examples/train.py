@@ -81,7 +81,8 @@ def define_flags() -> None:
                     "an expandable hash table over the raw ids (Criteo values as 64-bit "
                     "fingerprints, no modulo; tf_gba.layers.HashEmbedding, docs/"
                     "hash_embeddings.md), in the modes that update it through GBA on parameter "
-                    "servers: " + ", ".join(mode_registry.hash_embedding_modes()) + ".")
+                    "servers, or on every worker with all-gathered rows (sync): " +
+                    ", ".join(mode_registry.hash_embedding_modes()) + ".")
   flags.DEFINE_integer("hash_min_frequency", 0,
                        "--embedding=hash: an id gets a row at its Nth training lookup (zero row "
                        "and dropped gradients before; 0: off).")

@@ -110,9 +110,43 @@ def test_bad_inputs_get_one_line():
     HashEmbedding(0)
   with pytest.raises(ValueError, match="embeddings_initializer"):
     HashEmbedding(4, embeddings_initializer="glorot_uniform")
-  with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
-    with pytest.raises(ValueError, match="cannot live under MirroredStrategy"):
+  with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+    with pytest.raises(ValueError, match="cannot live under OneDeviceStrategy"):
       HashEmbedding(DIM)(tf.constant([1], tf.int64))
+
+
+def test_one_replica_mirrored_strategy_trains_rows_in_this_process():
+  """Under an all-reduce strategy the table is this process's (one replica per process):
+  a training step inside strategy.run counts each id once and applies the summed rows' gradient
+  (SGD here: row -= lr * sum of the id's gradients; the NumPy reference below)."""
+  from tf_gba.optimizers import hash_rows  # pylint: disable=g-import-not-at-top
+
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+  ids = tf.constant([[5, 9], [5, 2**50]], tf.int64)
+  c = np.arange(1, DIM + 1, dtype=np.float32)
+  with strategy.scope():
+    layer = HashEmbedding(DIM, seed=3)
+    optimizer = keras.optimizers.SGD(0.5)
+    layer.build(ids.shape)
+  assert [s.device for s in layer.table.shards] == ["/device:CPU:0"]
+  before = layer.table.find(tf.constant([5, 9, 2**50], tf.int64)).numpy()
+
+  @tf.function
+  def step():
+    def replica_fn():
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(ids, training=True) * c)
+      grads = tape.gradient(loss, [layer.hash_anchor])
+      return hash_rows.apply_replicated(optimizer, zip(grads, [layer.hash_anchor]))
+    strategy.run(replica_fn)
+
+  step()
+  exported = layer.table.export()
+  order = np.argsort(exported["keys"].numpy())
+  rows = {f: exported[f].numpy()[order] for f in ("keys", "values", "frequency")}
+  np.testing.assert_array_equal(rows["keys"], [5, 9, 2**50])
+  np.testing.assert_array_equal(rows["frequency"], [1, 1, 1])
+  np.testing.assert_allclose(rows["values"], before - 0.5 * np.outer([2, 1, 1], c), rtol=1e-6)
 
 
 def test_optimizers_the_table_cannot_apply_are_refused():

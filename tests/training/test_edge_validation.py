@@ -116,7 +116,7 @@ def test_day_beyond_the_data_is_refused_before_any_server(tmp_path, flag, value,
 
 # The modes whose embeddings live on parameter servers behind the GBA optimizer (written out
 # here, not read from the registry).
-_HASH_MODES = ("gba", "async", "bsp", "hop_bs", "hop_bw", "async_tuned")
+_HASH_MODES = ("sync", "gba", "async", "bsp", "hop_bs", "hop_bw", "async_tuned")
 
 
 @pytest.mark.parametrize("mode", mode_registry.names())
@@ -129,8 +129,8 @@ def test_hash_embedding_is_refused_where_no_parameter_server_hosts_it(tmp_path, 
     preflight.check(cfg)
   assert str(e.value) == (
       f"--embedding=hash cannot run in --mode={mode}: the hash table lives on the parameter "
-      "servers and is updated through the GBA optimizer, which only "
-      f"{', '.join(_HASH_MODES)} have; use one of them, or --embedding=vocab.")
+      "servers, updated through the GBA optimizer, or whole on every worker of --mode=sync; "
+      f"only {', '.join(_HASH_MODES)} host it; use one of them, or --embedding=vocab.")
   assert not os.path.exists(cfg.model_dir)
 
 

@@ -146,6 +146,24 @@ def test_async_trains_one_pass_and_reports_the_table(tmp_path):
   assert rows["tags"].max() == STEPS - 1
 
 
+def test_sync_trains_one_pass_and_reports_the_table(tmp_path, capsys):
+  """--mode=sync: every worker holds the whole table (one shard) and looks up the union of the
+  two workers' batches; one pass (20 global steps of 2 x 200 rows) inserts every distinct
+  (field, value) pair of the train rows, once each, in the checkpoint the other modes read."""
+  summary = _run(tmp_path / "model", mode="sync", num_ps=1, steps=STEPS)
+  out = capsys.readouterr().out
+  assert "hash table categorical_embedding " in out and "a copy on every worker" in out
+  assert summary["mode"] == "sync" and summary["steps"] == STEPS
+  assert summary["global_step"] == STEPS // 2
+  assert 0.5 < summary["eval_auc"] <= 1.0
+  rows = _checkpoint_rows(summary["checkpoint"])
+  _check_table_report(summary, rows, 1, _distinct_field_values())
+  # Counted once per global step whose batches held the key: at most the 20 steps.
+  assert rows["frequency"].min() >= 1 and rows["frequency"].max() <= STEPS // 2
+  assert rows["last_seen"].max() == STEPS // 2 - 1
+  assert np.all(rows["tags"] == -1)  # GBA's tags: sync writes none
+
+
 def test_admission_and_budget_through_the_binary(tmp_path):
   # One pass with --hash_min_frequency=2 and --hash_max_rows=10000: 20 global steps, fewer than
   # the eviction interval, so the only eviction is the final checkpoint's, after every lookup.
@@ -235,10 +253,11 @@ def _train_subprocess(*args):
 
 
 def test_a_mode_that_cannot_host_the_table_is_refused_in_one_line(tmp_path):
-  proc = _train_subprocess("--mode=sync", "--embedding=hash", f"--model_dir={tmp_path / 'm'}")
+  proc = _train_subprocess("--mode=dts", "--embedding=hash", f"--model_dir={tmp_path / 'm'}")
   assert proc.returncode == 2
   assert proc.stderr.strip() == (
-      "train.py: error: --embedding=hash cannot run in --mode=sync: the hash table lives on the "
-      "parameter servers and is updated through the GBA optimizer, which only gba, async, bsp, "
-      "hop_bs, hop_bw, async_tuned have; use one of them, or --embedding=vocab.")
+      "train.py: error: --embedding=hash cannot run in --mode=dts: the hash table lives on the "
+      "parameter servers, updated through the GBA optimizer, or whole on every worker of "
+      "--mode=sync; only sync, gba, async, bsp, hop_bs, hop_bw, async_tuned host it; use one of "
+      "them, or --embedding=vocab.")
   assert not os.path.exists(tmp_path / "m")  # refused before anything was written

@@ -77,14 +77,14 @@ def test_binary_mode_enum_and_help_come_from_the_registry():
 
 
 def test_hash_embedding_modes_are_the_registry_entries_that_say_so():
-  """--embedding=hash: the modes whose embeddings are updated on parameter servers through GBA
-  (written out here), the registry's `hash_embedding` entries, and the binary's help lists
-  them."""
-  assert mode_registry.hash_embedding_modes() == ("gba", "async", "bsp", "hop_bs", "hop_bw",
-                                                  "async_tuned")
+  """--embedding=hash: the modes whose embeddings are updated on parameter servers through GBA,
+  and sync (every worker holds the table; written out here), the registry's `hash_embedding`
+  entries, and the binary's help lists them."""
+  assert mode_registry.hash_embedding_modes() == ("sync", "gba", "async", "bsp", "hop_bs",
+                                                  "hop_bw", "async_tuned")
   for mode in mode_registry.all_modes():
-    assert mode.hash_embedding == (mode.kind == mode_registry.PARAMETER_SERVER and
-                                   mode.strategy_mode is not None)
+    assert mode.hash_embedding == (mode.name == "sync" or (
+        mode.kind == mode_registry.PARAMETER_SERVER and mode.strategy_mode is not None))
   _binary_flags()
   from absl import flags  # pylint: disable=g-import-not-at-top
   assert ", ".join(mode_registry.hash_embedding_modes()) + "." in flags.FLAGS["embedding"].help

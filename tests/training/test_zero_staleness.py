@@ -6,6 +6,9 @@ serialized in worker order, one global step at a time, over the very batches the
 get (worker i: shard i of N), so every entry of step k is computed on version k. With the default
 embedding divisor (M) both must end with the same weights, Adam slots and iterations, dense and
 embedding, within float32 tolerance; with the paper's per-ID divisor (c(id)) they must not.
+With --embedding=hash the same holds row by row of the hash table (SPEC section 6: Sync
+all-gathers the replicas' (key, gradient row) pairs and applies their per-key mean; GBA's keyed
+buffers aggregate the same rows at zero staleness), both applied by the table's LazyAdam.
 """
 
 import tf_gba  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow loads Keras)
@@ -18,6 +21,7 @@ from tf_gba import data as data_lib
 from tf_gba import models as models_lib
 from tf_gba.distribute import GBAStrategy
 from tf_gba.distribute import LocalCluster
+from tf_gba.layers import HashEmbedding
 from tf_gba.optimizers import GBA
 from tf_gba.training import sync_job
 from tf_gba.training.config import TrainConfig
@@ -28,29 +32,45 @@ GLOBAL_STEPS = 3
 TOLERANCE = {"w": 1e-5, "m": 1e-6, "v": 1e-8}
 
 
-def _config(model_dir) -> TrainConfig:
+def _config(model_dir, embedding="vocab") -> TrainConfig:
   return TrainConfig(mode="sync", model="deepfm", data="synthetic",
                      data_options="num_examples=2000", num_workers=NUM_WORKERS,
                      local_batch_size=16, steps=NUM_WORKERS * GLOBAL_STEPS, log_every=2,
                      eval_examples=1024, learning_rate=0.01, model_dir=str(model_dir),
-                     stragglers="none")
+                     stragglers="none", embedding=embedding)
+
+
+def _build(cfg, info):
+  return models_lib.build_model(cfg.model, info, embedding_dim=cfg.embedding_dim, seed=cfg.seed,
+                                embedding=cfg.embedding)
+
+
+def _hash_rows(model):
+  """The hash table's keys, values and slots, ordered by key (None with --embedding=vocab)."""
+  layers = [layer for layer in model.layers if isinstance(layer, HashEmbedding)]
+  if not layers:
+    return None
+  rows = layers[0].table.export()
+  order = np.argsort(rows["keys"].numpy())
+  return {f: rows[f].numpy()[order] for f in ("keys", "values", "slots")}
 
 
 def _state(model, adam):
   return {"w": [v.numpy() for v in model.trainable_variables],
           "m": [x.numpy() for x in adam._momentums],  # pylint: disable=protected-access
           "v": [x.numpy() for x in adam._velocities],  # pylint: disable=protected-access
-          "iterations": int(adam.iterations.numpy())}
+          "iterations": int(adam.iterations.numpy()), "hash": _hash_rows(model)}
 
 
 def _sync_state(cfg, path):
   info = data_lib.data_info(cfg.data, **cfg.data_kwargs())
-  model = models_lib.build_model(cfg.model, info, embedding_dim=cfg.embedding_dim, seed=cfg.seed)
+  model = _build(cfg, info)
   adam = keras.optimizers.Adam(cfg.learning_rate)
   model.compile(adam, loss=keras.losses.BinaryCrossentropy())
   adam.build(model.trainable_variables)
   tf.train.Checkpoint(model=model).restore(path).assert_existing_objects_matched()
   return _state(model, adam), [isinstance(v, tf.Variable) and "embedding" in v.name
+                               and "hash_anchor" not in v.name
                                for v in model.trainable_variables]
 
 
@@ -68,8 +88,7 @@ def _gba_serialized(cfg, sparse_normalize):
         shard_index=i, repeat=True, shuffle_seed=cfg.seed, **options))
                  for i in range(NUM_WORKERS)]
     with strategy.scope():
-      model = models_lib.build_model(cfg.model, info, embedding_dim=cfg.embedding_dim,
-                                     seed=cfg.seed)
+      model = _build(cfg, info)
       optimizer = GBA(keras.optimizers.Adam(cfg.learning_rate), num_aggregate=NUM_WORKERS,
                       sparse_normalize=sparse_normalize)
       optimizer.build(model.trainable_variables)
@@ -134,3 +153,34 @@ def test_per_id_divisor_differs_from_sync(sync_result):
   diffs = _max_diffs(gba, sync, is_embedding)
   # A row seen by one of the two workers gets twice Sync's gradient: m differs by ~|g| / 2.
   assert diffs["m"] > 100 * TOLERANCE["m"], diffs
+
+
+@pytest.fixture(scope="module")
+def sync_hash_result(tmp_path_factory):
+  cfg = _config(tmp_path_factory.mktemp("zero_staleness_hash") / "sync", embedding="hash")
+  summary = sync_job.run_sync(cfg)
+  assert summary["global_step"] == GLOBAL_STEPS
+  return cfg, _sync_state(cfg, summary["checkpoint"])
+
+
+def test_gba_without_staleness_equals_sync_for_hash_rows(sync_hash_result):
+  """Hash rows: GBA's zero-staleness aggregate (the M entries' sum / M per key) and Sync's
+  all-gathered per-key mean give the same table, row by row (values, LazyAdam's m and v), and
+  the same dense weights."""
+  cfg, (sync, _) = sync_hash_result
+  assert len(sync["hash"]["keys"]) > 0  # the categorical rows are in the table
+  gba, stats = _gba_serialized(cfg, "num_aggregate")
+  assert stats["sparse"]["staleness_max"] == 0 and stats["sparse"]["dropped"] == 0
+  assert gba["iterations"] == sync["iterations"] == GLOBAL_STEPS
+  dense = _max_diffs(gba, sync, [w.size > 0 for w in gba["w"]])  # not the empty anchor
+  for key, tol in TOLERANCE.items():
+    assert dense[key] < tol, ("dense", key, dense)
+  g, s = gba["hash"], sync["hash"]
+  np.testing.assert_array_equal(g["keys"], s["keys"])
+  np.testing.assert_allclose(g["values"], s["values"], rtol=0, atol=TOLERANCE["w"])
+  np.testing.assert_allclose(g["slots"][:, 0], s["slots"][:, 0], rtol=0, atol=TOLERANCE["m"])
+  np.testing.assert_allclose(g["slots"][:, 1], s["slots"][:, 1], rtol=0, atol=TOLERANCE["v"])
+  # The comparison can tell: the per-ID divisor (c(id) instead of M) moves the rows that one
+  # worker's batch alone held.
+  per_id, _ = _gba_serialized(cfg, "per_id")
+  assert np.max(np.abs(per_id["hash"]["slots"][:, 0] - s["slots"][:, 0])) > 100 * TOLERANCE["m"]

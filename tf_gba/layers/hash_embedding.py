@@ -5,12 +5,18 @@ Used like `tf_keras.layers.Embedding`, without a vocabulary: any int64 id (or st
 Without a strategy the table lives in this process; under a ParameterServerStrategy (such as
 `tf_gba.distribute.GBAStrategy`) it is sharded over the parameter servers by `mix64(id) mod P`, and
 each worker step deduplicates its ids and sends every shard only its own, in one lookup per shard.
+Under an all-reduce strategy (MultiWorkerMirroredStrategy, one replica per process) every worker
+holds the whole table, and a training lookup looks up the union of all replicas' ids (all-gathered)
+so that every copy counts and inserts the same keys.
 
 Gradients: the layer's rows reach the optimizer as the gradient of the layer's `hash_anchor`
 weight, an `IndexedSlices` whose indices are the ids themselves. `tf_gba.optimizers.GBA` (every
 mode: gba, async, bsp, hop_bs, hop_bw; with M = 1 outside a strategy, every gradient is applied as
 it comes) sends them through a keyed sparse buffer per shard (per-ID staleness from the row's own
-tag) to the table's fused SGD, Adagrad or LazyAdam update on the parameter server.
+tag) to the table's fused SGD, Adagrad or LazyAdam update on the parameter server. Under an
+all-reduce strategy, `tf_gba.optimizers.hash_rows.apply_replicated` all-gathers the replicas' rows'
+gradients, sums them per key and applies the same fused update on every worker (Sync, SPEC
+section 6); the sync job (`--mode=sync`) does this.
 
 Example:
 
@@ -20,7 +26,7 @@ Example:
   model.compile(tf_gba.optimizers.GBA(tf_keras.optimizers.Adagrad(0.1)), "mse")
 """
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import tensorflow as tf
 import tf_keras as keras
@@ -38,7 +44,13 @@ def table_of(variable) -> Optional[hash_table_ops.ShardedHashTable]:
 
 
 def _table_devices() -> List[str]:
-  """Where the shards go: every parameter server under a PS strategy, else this process."""
+  """Where the shards go: every parameter server under a PS strategy, else this process.
+
+  Under an all-reduce strategy (MultiWorkerMirroredStrategy, MirroredStrategy) with one replica
+  per process, every worker process holds the whole table, one shard on its own CPU, kept
+  identical on all replicas by `replicated_lookup` and the optimizer's all-gathered update
+  (`tf_gba.optimizers.hash_rows.apply_replicated`).
+  """
   if not tf.distribute.has_strategy():
     return [""]
   strategy = tf.distribute.get_strategy()
@@ -46,11 +58,65 @@ def _table_devices() -> List[str]:
     # TF internal (no public equivalent: the strategy's cluster_resolver is None here).
     num_ps = strategy.extended._num_ps  # pylint: disable=protected-access
     return [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(num_ps)]
+  if is_replicated(strategy):
+    local = len(strategy.extended.worker_devices)
+    if local != 1:
+      raise ValueError(
+          f"HashEmbedding under {type(strategy).__name__} needs one replica per process (each "
+          f"process holds one copy of the table), but this one has {local} local replicas "
+          f"({', '.join(strategy.extended.worker_devices)}); run one worker process per device "
+          "(MultiWorkerMirroredStrategy) instead.")
+    return ["/device:CPU:0"]
   raise ValueError(
       f"HashEmbedding cannot live under {type(strategy).__name__}: its table is hosted by this "
-      "process (no strategy) or by the parameter servers of a ParameterServerStrategy such as "
-      "tf_gba.distribute.GBAStrategy; use tf_keras.layers.Embedding with a fixed vocabulary "
-      "under replicated strategies.")
+      "process (no strategy), by the parameter servers of a ParameterServerStrategy such as "
+      "tf_gba.distribute.GBAStrategy, or by every worker of a MultiWorkerMirroredStrategy or "
+      "MirroredStrategy (one replica per process).")
+
+
+def is_replicated(strategy) -> bool:
+  """Whether `strategy` is an all-reduce one whose replicas each hold a whole table."""
+  return isinstance(strategy, (tf.distribute.MultiWorkerMirroredStrategy,
+                               tf.distribute.MirroredStrategy))
+
+
+def _replica_context():
+  """This replica's context under an all-reduce strategy (inside `strategy.run`), else None."""
+  if not tf.distribute.has_strategy() or not is_replicated(tf.distribute.get_strategy()):
+    return None
+  return tf.distribute.get_replica_context()  # None in a cross-replica context
+
+
+def all_gather_rows(ctx, tensors: List[tf.Tensor]) -> Tuple[List[tf.Tensor], tf.Tensor]:
+  """Every replica's `tensors` (same first dimension n_r, which may differ between replicas),
+  concatenated in replica order on every replica, and this replica's offset in them.
+
+  The tensors are padded to the largest n_r first (collectives take equal shapes) and the padding
+  is masked out after the gather: no key value is reserved as a sentinel.
+  """
+  n = tf.shape(tensors[0], out_type=tf.int64)[:1]
+  counts = ctx.all_gather(n, axis=0)  # [N]
+  longest = tf.reduce_max(counts)
+  gathered = []
+  for t in tensors:
+    pad = tf.concat([[[0, longest - n[0]]], tf.zeros([tf.rank(t) - 1, 2], tf.int64)], axis=0)
+    gathered.append(ctx.all_gather(tf.pad(t, pad), axis=0))
+  mask = tf.reshape(tf.range(longest)[tf.newaxis, :] < counts[:, tf.newaxis], [-1])
+  offset = tf.reduce_sum(counts[:ctx.replica_id_in_sync_group])
+  return [tf.boolean_mask(g, mask) for g in gathered], offset
+
+
+def replicated_lookup(ctx, table: hash_table_ops.ShardedHashTable, keys: tf.Tensor) -> tf.Tensor:
+  """Training lookup of this replica's distinct `keys` under an all-reduce strategy.
+
+  The keys of all replicas are all-gathered and their union looked up (inserted and counted) in
+  this replica's table, in the same order on every replica: frequencies, `last_seen`, admission
+  and the rows inserted are the same everywhere. Returns this replica's rows.
+  """
+  (everyone,), offset = all_gather_rows(ctx, [keys])
+  union, position = tf.unique(everyone)
+  rows = table.lookup(union)
+  return tf.gather(rows, position[offset:offset + tf.size(keys, out_type=tf.int64)])
 
 
 @keras.utils.register_keras_serializable(package="tf_gba")
@@ -146,7 +212,10 @@ class HashEmbedding(keras.layers.Layer):
     elif training is False:
       rows = self.table.find(unique)
     else:
-      rows = _attach_gradient(self.hash_anchor.value(), self.table.lookup(unique), unique)
+      ctx = _replica_context()
+      found = (self.table.lookup(unique) if ctx is None else
+               replicated_lookup(ctx, self.table, unique))
+      rows = _attach_gradient(self.hash_anchor.value(), found, unique)
     out = tf.gather(rows, position)
     return tf.reshape(out, tf.concat([tf.shape(keys), [self.output_dim]], axis=0))
 

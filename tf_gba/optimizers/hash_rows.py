@@ -8,6 +8,10 @@ decay and divisor as a partitioned row), and a completed aggregate goes, on that
 server, to the table's fused update with the inner optimizer's hyper-parameters. A table with
 `ttl_steps` or `max_rows` then evicts on that shard, on the parameter server, whenever the
 aggregation brought its global step to a multiple of the table's `eviction_interval`.
+
+Sync (all-reduce, every worker holding the whole table): `apply_replicated` all-gathers the
+replicas' (key, gradient row) pairs, sums them per key and applies the same fused update on
+every worker; `split_hash_gradients` separates the anchors' gradients from those Keras applies.
 """
 
 from typing import Callable, Dict, List, Tuple
@@ -15,6 +19,7 @@ from typing import Callable, Dict, List, Tuple
 import tensorflow as tf
 import tf_keras as keras
 
+from tf_gba.layers import hash_embedding
 from tf_gba.ops import gba_ops
 from tf_gba.ops import hash_table_ops
 
@@ -98,3 +103,83 @@ class HashBuffers:
 
   def stats(self) -> gba_ops.BufferStats:
     return gba_ops.merge_stats([b.stats() for b in self.buffers])
+
+
+# ---- Sync (all-reduce) ------------------------------------------------------------------------
+def split_hash_gradients(grads_and_vars) -> Tuple[list, list]:
+  """(pairs of HashEmbedding anchors, the other pairs) of `grads_and_vars`."""
+  hashed, others = [], []
+  for grad, var in grads_and_vars:
+    (hashed if hash_embedding.table_of(var) is not None else others).append((grad, var))
+  return hashed, others
+
+
+def apply_replicated(optimizer: keras.optimizers.Optimizer, grads_and_vars) -> tf.Operation:
+  """Sync's update of hash rows (SPEC section 6), in a replica context of an all-reduce strategy.
+
+  For each HashEmbedding anchor: the (key, gradient row) pairs of all N replicas are
+  all-gathered, summed per key (a key absent from a replica's batch counts as zero) and applied
+  by the table's fused update with `optimizer`'s kind and hyper-parameters (Adam: LazyAdam, as
+  under GBA), the same on every replica. The sum is what Keras' all-reduce makes of dense
+  gradients: with each replica's loss divided by N (as the sync job does), it is the mean over
+  replicas of their gradients. Tables with `ttl_steps` or `max_rows` then evict whenever the step
+  reaches a multiple of their `eviction_interval`. Must run before `optimizer.apply_gradients`
+  of the same step, which advances `optimizer.iterations` (the LazyAdam step and the table's own).
+
+  Returns the group of the updates; pairs with a None gradient are skipped.
+  """
+  ctx = tf.distribute.get_replica_context()
+  pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+  if not pairs:
+    return tf.no_op()
+  kind, hyper, initial_accumulator = fused_optimizer(optimizer)
+  ops = []
+  for grad, var in pairs:
+    table = hash_embedding.table_of(var)
+    if not isinstance(grad, tf.IndexedSlices):
+      raise ValueError(f"{var.name} (a HashEmbedding's anchor) got a dense gradient: its rows' "
+                       "gradient is IndexedSlices of the layer's ids.")
+    keys, rows = tf.cast(grad.indices, tf.int64), tf.convert_to_tensor(grad.values, tf.float32)
+    if ctx is not None and ctx.num_replicas_in_sync > 1:
+      (keys, rows), _ = hash_embedding.all_gather_rows(ctx, [keys, rows])
+    unique, position = tf.unique(keys)
+    summed = tf.math.unsorted_segment_sum(rows, position, tf.size(unique))
+    aggregate = optimizer._clip_gradients(  # pylint: disable=protected-access
+        [tf.IndexedSlices(summed, unique, grad.dense_shape)])[0]
+    iteration = tf.identity(optimizer.iterations)
+    applied = table.apply(aggregate.indices, aggregate.values, kind,
+                          learning_rate=tf.cast(optimizer.learning_rate, tf.float32),
+                          iteration=iteration, initial_accumulator=initial_accumulator, **hyper)
+    if table.evicts:
+      with tf.control_dependencies([applied]):
+        # After the apply, so the shard's own step (evict's default) is this step's + 1.
+        interval = tf.constant(table.eviction_interval, tf.int64)
+        applied = tf.cond(tf.equal((iteration + 1) % interval, 0),
+                          lambda t=table: _evicted(t), lambda: tf.constant(True))
+    ops.append(applied)
+  return tf.group(ops)
+
+
+def _evicted(table: hash_table_ops.ShardedHashTable) -> tf.Tensor:
+  with tf.control_dependencies([table.evict()]):
+    return tf.constant(True)
+
+
+def align_replicated_step(optimizer: keras.optimizers.Optimizer, variables) -> None:
+  """After a restore: every table of `variables` knows global step `optimizer.iterations` (eager).
+
+  A table's own step (what a training lookup writes as `last_seen`) is one past its latest
+  apply; restored, it is taken from the rows' tags and `last_seen`, which Sync's update leaves
+  one step behind (it writes no tags). An apply of no rows at the step before sets it.
+  """
+  step = int(optimizer.iterations.numpy())
+  if step < 1:
+    return
+  kind, hyper, initial_accumulator = fused_optimizer(optimizer)
+  for var in variables:
+    table = hash_embedding.table_of(var)
+    if table is None:
+      continue
+    table.apply(tf.zeros([0], tf.int64), tf.zeros([0, table.dim], tf.float32), kind,
+                learning_rate=0.0, iteration=step - 1, initial_accumulator=initial_accumulator,
+                **hyper)

@@ -207,7 +207,7 @@ class TrainConfig:
       if value and self.embedding != "hash":
         raise ValueError(f"--{name}={value} applies to --embedding=hash only: drop it, or add "
                          "--embedding=hash.")
-    if 0 < self.hash_max_rows < self.num_ps:
+    if 0 < self.hash_max_rows < self.num_ps and mode.kind == mode_registry.PARAMETER_SERVER:
       raise ValueError(f"--hash_max_rows={self.hash_max_rows} is below --num_ps={self.num_ps}: "
                        "each parameter server keeps hash_max_rows / num_ps rows; raise it.")
     if self.model not in MODEL_NAMES:
@@ -290,13 +290,14 @@ class TrainConfig:
             "max_rows": self.hash_max_rows}
 
   def _check_hash_embedding(self, mode) -> None:
-    """--embedding=hash needs its table on the parameter servers, updated through GBA."""
+    """--embedding=hash needs its table on the parameter servers, updated through GBA, or on
+    every sync worker, updated with the all-gathered rows."""
     if not mode.hash_embedding:
       raise ValueError(
           f"--embedding=hash cannot run in --mode={self.mode}: the hash table lives on the "
-          "parameter servers and is updated through the GBA optimizer, which only "
-          f"{', '.join(mode_registry.hash_embedding_modes())} have; use one of them, or "
-          "--embedding=vocab.")
+          "parameter servers, updated through the GBA optimizer, or whole on every worker of "
+          f"--mode=sync; only {', '.join(mode_registry.hash_embedding_modes())} host it; use one "
+          "of them, or --embedding=vocab.")
     if self.mode == "async" and not self.async_staleness_stats:
       raise ValueError("--embedding=hash in --mode=async needs the GBA buffers (M=1) that "
                        "--noasync_staleness_stats turns off: the bare optimizer cannot update "

@@ -1,7 +1,7 @@
 """The run summary's account of a model's hash tables (--embedding=hash): rows and bytes per row.
 
 For each `tf_gba.layers.HashEmbedding` of the model, read from its shards on the parameter servers
-with the table's size op (`HashTableShard.size`: rows, and the bytes the shard holds as
+(in sync, the one shard of the worker reading it, the same on every worker) with the table's size op (`HashTableShard.size`: rows, and the bytes the shard holds as
 `allocated_bytes` counts them, the figure benchmarks/hash_embedding.py reports per row):
 
   rows                the table's rows (keys looked up in training; evaluation inserts none)
@@ -33,9 +33,13 @@ def report(model, optimizer) -> Dict[str, dict]:
   """{layer name: the fields above} for every HashEmbedding of `model` ({} if none)."""
   out = {}
   slots = None
-  if isinstance(optimizer, GBA):
-    kind, _, _ = hash_rows.fused_optimizer(optimizer.inner_optimizer)
+  # GBA's inner optimizer, or the Keras optimizer itself in sync (hash_rows.apply_replicated).
+  inner = optimizer.inner_optimizer if isinstance(optimizer, GBA) else optimizer
+  try:
+    kind, _, _ = hash_rows.fused_optimizer(inner)
     slots = hash_table_ops.NUM_SLOTS[kind]
+  except (ValueError, AttributeError):
+    pass
   for layer in model.layers:
     if not isinstance(layer, HashEmbedding) or layer.table is None:
       continue

@@ -60,8 +60,9 @@ class Mode:
   global_batch: Optional[Callable[["TrainConfig"], int]] = None
   # Whether the mode can train --embedding=hash: its embeddings live on the parameter servers
   # of a GBAStrategy and are updated through tf_gba.optimizers.GBA, whose keyed buffers feed the
-  # hash table's fused update (tf_gba/layers/hash_embedding.py). The all-reduce modes (no
-  # all-gather Sync of hash rows) and ShadowSync's and ASGD's own jobs cannot host the table.
+  # hash table's fused update (tf_gba/layers/hash_embedding.py), or, in sync, every worker holds
+  # the whole table and applies the all-gathered rows (tf_gba.optimizers.hash_rows
+  # .apply_replicated). DTS's, ShadowSync's and ASGD's own jobs cannot host the table.
   hash_embedding: bool = False
 
 
@@ -198,7 +199,7 @@ register(Mode(
     name="sync", kind=COLLECTIVE, compared=True,
     help="synchronous workers, gradients all-reduced every step (MultiWorkerMirroredStrategy)",
     run=lazy("tf_gba.training.sync_job:run_sync"), num_aggregate=_m_global_over_local,
-    flags=_COMMON | {"global_batch_size"}))
+    flags=_COMMON | {"global_batch_size"}, hash_embedding=True))
 register(Mode(
     name="gba", kind=PARAMETER_SERVER, strategy_mode="gba", compared=True,
     hash_embedding=True,

@@ -133,7 +133,8 @@ def print_summary(s: dict) -> None:
          + (f"  STALLED: {s['data_list']['stalled']}" if s['data_list']['stalled'] else "")]
         if s.get("data_list") else []),
       *([f"  hash table {name:<10} {t['rows']:,} rows ("
-         + " + ".join(f"{r:,}" for r in t["rows_per_shard"]) + " per parameter server), "
+         + (" + ".join(f"{r:,}" for r in t["rows_per_shard"]) + " per parameter server), "
+            if s["mode"] != "sync" else "a copy on every worker), ")
          + f"{_number(t['bytes_per_row'], ',.1f')} bytes per row allocated (row floats "
          + f"{_number(t['row_bytes'], 'd')} B)"
          + (f"; admitted {t['admitted']:,}  filtered {t['filtered']:,}  evicted "

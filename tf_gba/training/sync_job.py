@@ -37,7 +37,10 @@ from tf_gba import models as models_lib
 from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.common import interrupt
 from tf_gba.common import metrics
+from tf_gba.ops import hash_table_ops
+from tf_gba.optimizers import hash_rows
 from tf_gba.training import export as export_lib
+from tf_gba.training import hash_tables
 from tf_gba.training import preflight
 from tf_gba.training import recovery
 from tf_gba.training import resharding
@@ -84,6 +87,30 @@ def _digest(variables) -> str:
   return h.hexdigest()
 
 
+def _tables(model) -> Dict[str, Dict[str, np.ndarray]]:
+  """{layer name: every row and pending count of its table, ordered by key} (--embedding=hash)."""
+  out = {}
+  for layer in model.layers:
+    table = getattr(layer, "table", None)
+    if isinstance(table, hash_table_ops.ShardedHashTable):
+      rows = {f: v.numpy() for f, v in table.export().items()}
+      order, pending = np.argsort(rows["keys"]), np.argsort(rows["pending_keys"])
+      out[layer.name] = {f: v[pending if f.startswith("pending_") else order]
+                         for f, v in rows.items()}
+  return out
+
+
+def _tables_digest(tables: Dict[str, Dict[str, np.ndarray]]) -> str:
+  """sha256 of the tables' rows (keys, values, slots, tags, frequency, last_seen, pending counts)
+  by key: equal digests mean the same table on every worker."""
+  h = hashlib.sha256()
+  for name in sorted(tables):
+    for f in sorted(tables[name]):
+      h.update(f"{name}/{f}".encode())
+      h.update(np.ascontiguousarray(tables[name][f]).tobytes())
+  return h.hexdigest()
+
+
 def _step_stats() -> Dict[str, float]:
   """This process's straggler counters: steps, busy and injected-delay seconds."""
   # The op reads the counters of the process it runs in; eagerly that is this worker's own.
@@ -100,8 +127,11 @@ def build_and_restore(cfg: TrainConfig, strategy, info=None):
   """
   info = info or data_lib.data_info(cfg.data, **cfg.data_kwargs())
   with strategy.scope():
+    # --embedding=hash: a HashEmbedding whose table every worker holds whole
+    # (tf_gba.optimizers.hash_rows.apply_replicated keeps the copies identical).
     model = models_lib.build_model(cfg.model, info, embedding_dim=cfg.embedding_dim,
-                                   seed=cfg.seed)
+                                   seed=cfg.seed, embedding=cfg.embedding,
+                                   hash_options=cfg.hash_options())
     optimizer = keras.optimizers.Adam(cfg.learning_rate)
     model.compile(optimizer, loss=keras.losses.BinaryCrossentropy())
     # Slots now, so that a restore fills them and the checkpoint has the parameter-server modes'
@@ -113,17 +143,23 @@ def build_and_restore(cfg: TrainConfig, strategy, info=None):
   latest, _ = preflight.restore_latest_usable(
       cfg.model_dir, lambda path: resharding.restore_training_state(path, model, optimizer),
       lambda line: print(line, flush=True))
+  if latest:
+    # The tables' own step (their lookups' last_seen) from the restored global step.
+    hash_rows.align_replicated_step(optimizer, model.trainable_variables)
   return model, optimizer, latest
 
 
-def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
+def run_worker(config: dict, auto: dict = None, stop_file: str = None,
+               tables_dir: str = None) -> dict:
   """Trains on this worker (one process of a MultiWorkerMirroredStrategy cluster).
 
   With `auto` (`--mode=auto`: `tf_gba.training.auto_policy.AutoPolicy.to_dict()`), the workers
   gather their step times at every progress line and stop together, checkpointing, when the
   policy decides to switch to GBA; the chief's result then holds `auto` (the observations and the
   decision). `stop_file`: a path whose existence, checked by every worker at each progress line,
-  stops the run there with a checkpoint (the result then has `interrupted`).
+  stops the run there with a checkpoint (the result then has `interrupted`). `tables_dir`
+  (--embedding=hash): each worker writes its tables' rows there at the end, ordered by key, as
+  `worker_<task>.npz` (entries `<layer>/<field>`), to compare the workers' copies.
 
   Every worker must run this with the same `config` (a `TrainConfig` as a dict); the cluster comes
   from TF_CONFIG. Runs `max(1, steps // workers)` global steps (one global step is one local batch
@@ -137,8 +173,10 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
     (after the first logging interval), `train_seconds`, `final_train_loss` (mean over workers of
     the last interval), `weights_digest` (sha256 of the model weights and optimizer state: the
     same on every worker), `restored_from` and `restored_digest` (the state right after the
-    restore, None without a checkpoint); the chief (task 0) adds `checkpoint`, `eval_auc`,
-    `eval_logloss`, `eval_examples`, `global_qps`.
+    restore, None without a checkpoint), with --embedding=hash `tables_digest` (sha256 of every
+    table's rows by key after the final checkpoint's eviction: the same on every worker) and
+    `hash_tables` (training/hash_tables.py's report); the chief (task 0) adds `checkpoint`,
+    `eval_auc`, `eval_logloss`, `eval_examples`, `global_qps`.
   """
   started_unix = time.time()  # --mode=auto's account of a switch: this process is running
   cfg = _worker_config(config)
@@ -220,8 +258,12 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
                                                             expand_composites=True)
                for g in grads]
       loss = tf.identity(loss)
-    # Aggregates (all-reduce SUM across the workers) before applying.
-    optimizer.apply_gradients(zip(grads, variables))
+    # Hash rows: all-gathered, summed per key and applied by every worker's table (first: the
+    # table's LazyAdam step is this step's iterations, which apply_gradients advances). The other
+    # variables: all-reduce SUM across the workers, then Adam.
+    hashed, dense = hash_rows.split_hash_gradients(zip(grads, variables))
+    with tf.control_dependencies([hash_rows.apply_replicated(optimizer, hashed)]):
+      optimizer.apply_gradients(dense)
     return loss
 
   @tf.function
@@ -399,6 +441,12 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
 
   checkpoint_begin_unix = time.time()
   saved = save(global_step)
+  # After the save, which evicts first: the tables as the checkpoint holds them.
+  tables = _tables(model)
+  if tables and tables_dir:
+    os.makedirs(tables_dir, exist_ok=True)
+    np.savez(os.path.join(tables_dir, f"worker_{task}.npz"),
+             **{f"{name}/{f}": v for name, rows in tables.items() for f, v in rows.items()})
   # Every worker writes it (saving reads mirrored variables through collectives); the chief's is
   # kept. A run stopped by a signal or handing over to GBA (--mode=auto) exports nothing: the run
   # that finishes does.
@@ -420,6 +468,9 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None) -> dict:
       "restored_from": restored_from, "restored_digest": restored_digest,
       "periodic_checkpoints": periodic,
   }
+  if tables:
+    result.update(tables_digest=_tables_digest(tables),
+                  hash_tables=hash_tables.report(model, optimizer))
   if policy is not None:
     result["auto"] = {"decision": decision, "observations": policy.observations,
                       "timeline": timeline, "skipped": policy.skipped,
@@ -588,6 +639,9 @@ def run_sync(config: TrainConfig, timeout_s: float = 24 * 3600.0, auto: dict = N
         f"training finished and its checkpoint {chief['checkpoint']} was written, but the final "
         f"evaluation failed: {chief['after_training_error']}.")
   summary = summarize(config, results)
+  if config.embedding == "hash":  # as the parameter-server modes report their tables
+    summary["embedding"] = config.embedding
+    summary["hash_tables"] = chief.get("hash_tables") or {}
   summary_lib.write(config.model_dir, summary)
   summary_lib.print_summary(summary)
   return summary
