@@ -4,6 +4,7 @@
       [--optimizer=adagrad] [--batch=4096] [--fields=26] [--vocab=1000000] [--steps=20]
   python -m benchmarks.hash_embedding --budget_stream [--stream_keys=20000000] [--max_rows=1000000]
       [--min_frequency=2] [--ttl_steps=4] [--stream_steps=40] [--repeat_share=0.2]
+      [--admission_filter_cells=0] [--out=DIR]
 
 Three measurements, one process, one after the other:
   memory      `keys` random int64 keys inserted into a table of `shards` shards; bytes per row as
@@ -23,8 +24,12 @@ With --budget_stream, one measurement instead:
               each step: rows, pending counts, the table's bytes and the process' RSS growth,
               against the bytes `max_rows` rows take (whole blocks of rows, the key index at its
               emptiest) and the bytes the last step's pending counts take at most (their index
-              at its emptiest). max_rows bounds the rows only: without ttl_steps, the pending
-              counts of keys seen once grow with the stream.
+              at its emptiest). max_rows bounds the rows only: without ttl_steps, exact pending
+              counts of keys seen once grow with the stream; with --admission_filter_cells the
+              counts live in a counting Bloom filter of that many cells per shard, and what the
+              budget implies is the rows' bytes plus the filters'. With --out, the timeline is
+              written there as budget_stream.json and plotted (budget_stream.png, if matplotlib
+              is installed).
 The shards all live in this process (one "parameter server" each is a device string away); what
 the numbers compare is the kernels, not the network.
 """
@@ -33,6 +38,7 @@ import argparse
 import json
 import os
 import resource
+from typing import Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -78,10 +84,11 @@ def memory(keys, shards, dim, optimizer, chunk=1 << 20):
 
 
 def budget_stream(stream_keys, stream_steps, repeat_share, shards, dim, optimizer, min_frequency,
-                  ttl_steps, max_rows, seed=2):
+                  ttl_steps, max_rows, admission_filter_cells=0, seed=2, progress=None):
   table = hash_table_ops.ShardedHashTable(dim, devices=[""] * shards,
                                           min_frequency=min_frequency, ttl_steps=ttl_steps,
-                                          max_rows=max_rows)
+                                          max_rows=max_rows,
+                                          admission_filter_cells=admission_filter_cells)
   table.apply(tf.zeros([0], tf.int64), tf.zeros([0, dim]), optimizer, learning_rate=0.1)
   rng = np.random.default_rng(seed)
   per_step = stream_keys // stream_steps
@@ -93,7 +100,18 @@ def budget_stream(stream_keys, stream_steps, repeat_share, shards, dim, optimize
   # key index of 17 B slots at its emptiest load, 7/16.
   budget_bytes = (shards * -(-per_shard // block_rows) * block_rows * (row_bytes + 24)
                   + int(max_rows * 16 / 7 * 17))
-  before = rss_bytes()
+  # The filters are allocated with the table, before the baseline below: count them in both.
+  filter_bytes = shards * admission_filter_cells
+  # One step of the same size through a throwaway table first: TensorFlow's one-time start-up
+  # allocations (kernels, thread pools, the allocator's first chunks) are not the table's.
+  warm = hash_table_ops.ShardedHashTable(dim, devices=[""] * shards, min_frequency=min_frequency)
+  warm.apply(tf.zeros([0], tf.int64), tf.zeros([0, dim]), optimizer, learning_rate=0.1)
+  warm_keys = np.random.default_rng(seed + 1).integers(-2**63, 2**63 - 1, size=per_step,
+                                                       dtype=np.int64)
+  warm.lookup(tf.constant(warm_keys), 0)
+  warm.evict(1)
+  del warm, warm_keys
+  before = rss_bytes() - filter_bytes
   recent = np.zeros([0], np.int64)
   timeline = []
   for step in range(stream_steps):
@@ -105,14 +123,22 @@ def budget_stream(stream_keys, stream_steps, repeat_share, shards, dim, optimize
     table.evict(step + 1)
     recent = keys  # the next step repeats some of this step's keys
     c = table.counters()
-    timeline.append({"step": step + 1, "rows": c["rows"], "pending": c["pending"],
+    timeline.append({"step": step + 1, "keys_seen": (step + 1) * per_step, "rows": c["rows"],
+                     "pending": c["pending"], "admitted": c["admitted"],
                      "evicted": c["evicted"], "table_bytes": table.allocated_bytes(),
                      "rss_growth_bytes": rss_bytes() - before})
+    if progress and (step + 1) % max(1, stream_steps // 10) == 0:
+      progress(timeline[-1])
   last = timeline[-1]
   # A pending count is an index slot of 25 B (key, count, last_seen), at a load of 7/16 or more.
-  pending_bytes_bound = int(last["pending"] * 16 / 7 * 25)
+  pending_bytes_bound = 0 if admission_filter_cells else int(last["pending"] * 16 / 7 * 25)
+  implied = budget_bytes + filter_bytes
   return {"keys_per_step": per_step, "repeats_per_step": repeats, "max_rows": max_rows,
+          "admission_filter_cells": admission_filter_cells, "filter_bytes": filter_bytes,
           "budget_bytes": budget_bytes, "pending_bytes_bound": pending_bytes_bound,
+          "implied_bytes": implied,
+          "max_rss_over_implied": round(max(t["rss_growth_bytes"] for t in timeline) / implied, 4),
+          "max_table_over_implied": round(max(t["table_bytes"] for t in timeline) / implied, 4),
           "timeline": timeline,
           "peak_table_bytes": max(t["table_bytes"] for t in timeline),
           "peak_rss_growth_bytes": max(t["rss_growth_bytes"] for t in timeline),
@@ -120,6 +146,33 @@ def budget_stream(stream_keys, stream_steps, repeat_share, shards, dim, optimize
           # The pending counts are not bounded by max_rows: only ttl_steps forgets them.
           "last_bytes_within_budget_and_pending": (
               last["table_bytes"] <= budget_bytes + pending_bytes_bound)}
+
+
+def plot_budget_stream(budget: dict, path: str) -> Optional[str]:
+  """RSS growth and table bytes over the stream against what the budget implies."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    print("matplotlib is not installed: no plot (pip install matplotlib).", flush=True)
+    return None
+  t = budget["timeline"]
+  keys = [x["keys_seen"] / 1e6 for x in t]
+  fig, ax = plt.subplots(figsize=(7, 4))
+  ax.plot(keys, [x["rss_growth_bytes"] / 2**20 for x in t], label="RSS growth")
+  ax.plot(keys, [x["table_bytes"] / 2**20 for x in t], label="table bytes (counted)")
+  ax.axhline(budget["implied_bytes"] / 2**20, color="k", ls="--", label="budget implies")
+  ax.axhline(1.1 * budget["implied_bytes"] / 2**20, color="r", ls=":", label="+10%")
+  ax.set_xlabel("keys seen (millions)")
+  ax.set_ylabel("MiB")
+  ax.set_title(f"max_rows={budget['max_rows']:,}, filter cells/shard="
+               f"{budget['admission_filter_cells']:,}")
+  ax.legend(loc="lower right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
 
 
 def zipf_batches(steps, batch, fields, vocab, seed=1):
@@ -221,6 +274,11 @@ def main(argv=None):
   parser.add_argument("--min_frequency", type=int, default=2)
   parser.add_argument("--ttl_steps", type=int, default=4)
   parser.add_argument("--max_rows", type=int, default=1_000_000)
+  parser.add_argument("--admission_filter_cells", type=int, default=0,
+                      help="admission counts in a counting Bloom filter of N cells per shard "
+                           "(0: exact counts)")
+  parser.add_argument("--out", default=None,
+                      help="--budget_stream: a directory for budget_stream.json and its plot")
   parser.add_argument("--dry_run", action="store_true",
                       help="check the flags, print one line and exit without running anything")
   args = parser.parse_args(argv)
@@ -232,6 +290,10 @@ def main(argv=None):
     parser.error(f"--repeat_share must be in [0, 1), got {args.repeat_share}.")
   if args.min_frequency < 0 or args.ttl_steps < 0:
     parser.error("--min_frequency and --ttl_steps must be >= 0 (0: off).")
+  if args.admission_filter_cells < 0:
+    parser.error("--admission_filter_cells must be >= 0 (0: exact admission counts).")
+  if args.admission_filter_cells and args.min_frequency < 2:
+    parser.error("--admission_filter_cells needs admission: --min_frequency=2 or more.")
   if args.max_rows < args.shards:
     parser.error(f"--max_rows must be >= --shards, got {args.max_rows}.")
   if args.dry_run:
@@ -239,10 +301,21 @@ def main(argv=None):
     return None
   result = {"args": vars(args)}
   if args.budget_stream:
+    def progress(t):
+      print(f"budget_stream: {t['keys_seen']:,} keys, {t['rows']:,} rows, RSS growth "
+            f"{t['rss_growth_bytes'] / 2**20:.1f} MiB", flush=True)
+
     result["budget"] = budget_stream(args.stream_keys, args.stream_steps, args.repeat_share,
                                      args.shards, args.dim, args.optimizer, args.min_frequency,
-                                     args.ttl_steps, args.max_rows)
-    print(json.dumps(result, indent=2))
+                                     args.ttl_steps, args.max_rows, args.admission_filter_cells,
+                                     progress=progress)
+    if args.out:
+      os.makedirs(args.out, exist_ok=True)
+      with open(os.path.join(args.out, "budget_stream.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+      plot_budget_stream(result["budget"], os.path.join(args.out, "budget_stream.png"))
+    summary = {k: v for k, v in result["budget"].items() if k != "timeline"}
+    print(json.dumps({"args": result["args"], "budget": summary}, indent=2))
     return result
   batches = zipf_batches(args.steps, args.batch, args.fields, args.vocab)
   result["memory"] = memory(args.keys, args.shards, args.dim, args.optimizer)

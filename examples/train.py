@@ -92,6 +92,11 @@ def define_flags() -> None:
   flags.DEFINE_integer("hash_max_rows", 0,
                        "--embedding=hash: the table's row budget over all parameter servers; "
                        "beyond it the least frequent rows are evicted (0: off).")
+  flags.DEFINE_integer("hash_admission_filter_cells", 0,
+                       "--embedding=hash with --hash_min_frequency: keep the admission counts in "
+                       "a counting Bloom filter of N one-byte cells per parameter server (fixed "
+                       "memory; false positives admit early) instead of one exact count per id "
+                       "(0).")
   flags.DEFINE_integer("eval_examples", 20000, "Examples of the eval split to evaluate on.")
   flags.DEFINE_integer("day", None, "Train and evaluate on one day of day-split data.")
   flags.DEFINE_integer("eval_day", None, "Evaluate on every example of this day instead of on "

@@ -38,3 +38,22 @@ def test_budget_stream_stays_within_the_budget(capsys):
   assert timeline[-1]["evicted"] > 0 and budget["rows_within_budget"]
   assert budget["last_bytes_within_budget_and_pending"]
   assert '"budget"' in capsys.readouterr().out
+
+
+def test_budget_stream_with_an_admission_filter_writes_its_timeline_and_plot(tmp_path):
+  out = tmp_path / "bench"
+  result = hash_embedding.main(["--budget_stream", "--stream_keys=40000", "--stream_steps=8",
+                                "--repeat_share=0.25", "--max_rows=3000", "--ttl_steps=0",
+                                "--admission_filter_cells=20000", "--shards=2", "--dim=8",
+                                f"--out={out}"])
+  budget = result["budget"]
+  # The filters' bytes are part of what the budget implies; no pending count is kept per key.
+  assert budget["filter_bytes"] == 2 * 20000 and budget["pending_bytes_bound"] == 0
+  assert budget["implied_bytes"] == budget["budget_bytes"] + 2 * 20000
+  timeline = budget["timeline"]
+  # Each shard's cells in use stay at most its 20,000 whatever the stream; the rows at the budget.
+  assert all(t["pending"] <= 2 * 20000 for t in timeline)
+  assert budget["rows_within_budget"] and timeline[-1]["rows"] == 3000
+  assert budget["max_table_over_implied"] == round(
+      max(t["table_bytes"] for t in timeline) / budget["implied_bytes"], 4)
+  assert (out / "budget_stream.json").exists()

@@ -156,7 +156,10 @@ def test_hash_embedding_combinations_refused(tmp_path, kwargs, expected):
     (dict(embedding="hash", hash_ttl_steps=-1), "--hash_ttl_steps must be >= 0 (0: off), got -1."),
     (dict(embedding="hash", num_ps=3, hash_max_rows=2),
      "--hash_max_rows=2 is below --num_ps=3: each parameter server keeps hash_max_rows / num_ps "
-     "rows; raise it.")])
+     "rows; raise it."),
+    (dict(embedding="hash", hash_admission_filter_cells=1000),
+     "--hash_admission_filter_cells=1000 holds admission counts, but admission is off: add "
+     "--hash_min_frequency=2 (or more), or drop --hash_admission_filter_cells.")])
 def test_hash_admission_and_eviction_flags_refused(tmp_path, kwargs, expected):
   with pytest.raises(ValueError) as e:
     _config(tmp_path, steps=20, **kwargs).validate()
@@ -167,7 +170,8 @@ def test_hash_options_are_the_layers_arguments(tmp_path):
   cfg = _config(tmp_path, embedding="hash", steps=20, hash_min_frequency=2, hash_ttl_steps=50,
                 hash_max_rows=1000)
   cfg.validate()
-  assert cfg.hash_options() == {"min_frequency": 2, "ttl_steps": 50, "max_rows": 1000}
+  assert cfg.hash_options() == {"min_frequency": 2, "ttl_steps": 50, "max_rows": 1000,
+                                "admission_filter_cells": 0}
   assert _config(tmp_path, steps=20).hash_options() is None
 
 

@@ -184,6 +184,28 @@ def test_admission_and_budget_through_the_binary(tmp_path):
   assert rows["frequency"].min() >= 2
 
 
+def test_admission_filter_through_the_binary(tmp_path):
+  # The same pass with the counts in a counting Bloom filter of 2^16 cells per parameter server.
+  cells = 1 << 16
+  summary = _run(tmp_path / "model", mode="gba", hash_min_frequency=2,
+                 hash_admission_filter_cells=cells)
+  _check_one_pass(summary)
+  table = summary["hash_tables"]["categorical_embedding"]
+  assert table["admission_filter_cells"] == cells
+  # `pending` counts cells in use; every admitted key had a count of at least 2 (or a false
+  # positive), so at least the exact run's admissions happen and no more than the distinct pairs.
+  assert 0 < table["pending"] <= 2 * cells
+  assert 0 < table["admitted"] <= _distinct_field_values() and table["filtered"] > 0
+  # The model's one hash table: its entries end in /.ATTRIBUTES/<field>.
+  entries = {n.rsplit("/", 1)[1]: n for n, _ in tf.train.list_variables(summary["checkpoint"])
+             if n.rsplit("/", 2)[-2:-1] == [".ATTRIBUTES"] and "table" in n}
+  assert "admission_filter" in entries and "pending_keys" not in entries, sorted(entries)
+  filters = tf.train.load_variable(summary["checkpoint"], entries["admission_filter"])
+  assert filters.shape == (2, cells) and filters.dtype == np.uint8
+  rows = _checkpoint_rows(summary["checkpoint"])
+  assert len(rows["keys"]) == table["rows"] and rows["frequency"].min() >= 2
+
+
 def _check_resumed(before, after):
   """The rows of `before` carried over: equal where the resumed steps did not look the key up,
   looked up again (frequency up, last_seen later) otherwise; no key lost."""

@@ -137,6 +137,9 @@ class HashEmbedding(keras.layers.Layer):
       frequent rows go first, ties to the oldest last lookup.
     eviction_interval: with ttl_steps or max_rows, every shard evicts each time its global step
       reaches a multiple of this (and before every checkpoint save).
+    admission_filter_cells: with min_frequency >= 2, the admission counts live in a counting
+      Bloom filter of this many one-byte cells per shard instead of one exact count per id
+      (0): fixed memory; a false positive admits an id early.
 
   Call with ids of any rank >= 1 (int32, int64 or string); returns ids.shape + [output_dim].
   `training=False` (evaluate, predict, serving) finds rows without inserting: an unseen id gets
@@ -147,7 +150,8 @@ class HashEmbedding(keras.layers.Layer):
   def __init__(self, output_dim: int, seed: int = 0, embeddings_initializer: str = "uniform",
                minval: float = -0.05, maxval: float = 0.05, mean: float = 0.0,
                stddev: float = 0.05, min_frequency: int = 0, ttl_steps: int = 0,
-               max_rows: int = 0, eviction_interval: int = 100, **kwargs):
+               max_rows: int = 0, eviction_interval: int = 100, admission_filter_cells: int = 0,
+               **kwargs):
     super().__init__(**kwargs)
     if int(output_dim) != output_dim or output_dim < 1:
       raise ValueError(f"output_dim must be an integer >= 1, got {output_dim!r}.")
@@ -160,12 +164,18 @@ class HashEmbedding(keras.layers.Layer):
     self.minval, self.maxval, self.mean, self.stddev = minval, maxval, mean, stddev
     for what, value, low in (("min_frequency", min_frequency, 0), ("ttl_steps", ttl_steps, 0),
                              ("max_rows", max_rows, 0),
-                             ("eviction_interval", eviction_interval, 1)):
+                             ("eviction_interval", eviction_interval, 1),
+                             ("admission_filter_cells", admission_filter_cells, 0)):
       if int(value) != value or value < low:
         raise ValueError(f"{what} must be an integer >= {low}, got {value!r}.")
     self.min_frequency, self.ttl_steps, self.max_rows = (int(min_frequency), int(ttl_steps),
                                                          int(max_rows))
     self.eviction_interval = int(eviction_interval)
+    self.admission_filter_cells = int(admission_filter_cells)
+    if self.admission_filter_cells and self.min_frequency < 2:
+      raise ValueError(f"admission_filter_cells={self.admission_filter_cells} holds admission "
+                       "counts, but admission is off: set min_frequency >= 2, or drop "
+                       "admission_filter_cells.")
     self.table: Optional[hash_table_ops.ShardedHashTable] = None
 
   def build(self, input_shape):
@@ -177,7 +187,8 @@ class HashEmbedding(keras.layers.Layer):
           init_a=self.mean if normal else self.minval,
           init_b=self.stddev if normal else self.maxval, name=self.name,
           min_frequency=self.min_frequency, ttl_steps=self.ttl_steps, max_rows=self.max_rows,
-          eviction_interval=self.eviction_interval)
+          eviction_interval=self.eviction_interval,
+          admission_filter_cells=self.admission_filter_cells)
     # The weight the rows' gradient is taken for: empty, it only carries the table to the
     # optimizer (the gradient's indices are the ids, its values the rows' gradients).
     self.hash_anchor = self.add_weight(name="hash_anchor", shape=(0, self.output_dim),
@@ -233,7 +244,8 @@ class HashEmbedding(keras.layers.Layer):
             "embeddings_initializer": self.embeddings_initializer, "minval": self.minval,
             "maxval": self.maxval, "mean": self.mean, "stddev": self.stddev,
             "min_frequency": self.min_frequency, "ttl_steps": self.ttl_steps,
-            "max_rows": self.max_rows, "eviction_interval": self.eviction_interval}
+            "max_rows": self.max_rows, "eviction_interval": self.eviction_interval,
+            "admission_filter_cells": self.admission_filter_cells}
 
 
 def _is_floating(dtype) -> bool:

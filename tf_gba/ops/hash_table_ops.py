@@ -10,7 +10,9 @@ Admission and eviction (SPEC section 6, all off by default): `min_frequency=k` g
 only at its k-th training lookup (the zero row, and gradients counted as `filtered`, before);
 `evict()` removes rows not seen for more than `ttl_steps` global steps, then, beyond `max_rows`
 (the table's budget, split evenly over the shards), the least frequent, ties to the oldest
-`last_seen`, then to the smallest key. A checkpoint save evicts first.
+`last_seen`, then to the smallest key. A checkpoint save evicts first. With
+`admission_filter_cells=C`, admission counts live in a counting Bloom filter of C one-byte cells per
+shard instead of one exact count per key: fixed memory, early admissions from false positives.
 
 Example:
 
@@ -41,7 +43,8 @@ _uid = itertools.count()
 loader.no_gradient(
     "GBA>HashTableCreate", "GBA>HashTableLookup", "GBA>HashTableFind", "GBA>HashTableApply",
     "GBA>HashTableSize", "GBA>HashTableExport", "GBA>HashTableImport", "GBA>HashKeyShard",
-    "GBA>HashBufferPush", "GBA>HashTableEvict", "GBA>HashTableCounters")
+    "GBA>HashBufferPush", "GBA>HashTableEvict", "GBA>HashTableCounters",
+    "GBA>HashTableExportFilter", "GBA>HashTableImportFilter")
 
 
 def _ops():
@@ -96,13 +99,14 @@ class HashTableShard(tf.saved_model.experimental.TrackableResource):
 
   def __init__(self, dim: int, device: str = "", seed: int = 0, initializer: str = "uniform",
                init_a: float = -0.05, init_b: float = 0.05, name: str = "hash_table",
-               min_frequency: int = 0, ttl_steps: int = 0, max_rows: int = 0):
+               min_frequency: int = 0, ttl_steps: int = 0, max_rows: int = 0,
+               filter_cells: int = 0):
     super().__init__(device=device)
     self._dim = int(dim)
     self._attrs = dict(dim=self._dim, seed=int(seed), initializer=initializer,
                        init_a=float(init_a), init_b=float(init_b),
                        min_frequency=int(min_frequency), ttl_steps=int(ttl_steps),
-                       max_rows=int(max_rows))
+                       max_rows=int(max_rows), filter_cells=int(filter_cells))
     self._shared_name = f"tf_gba/{name}/{next(_uid)}_{id(object())}"
     with tf.init_scope():
       _ = self.resource_handle  # create now, on `device`
@@ -174,6 +178,17 @@ class HashTableShard(tf.saved_model.experimental.TrackableResource):
       out = _ops().gba_hash_table_export(self.resource_handle)
     return dict(zip(EXPORT_FIELDS + PENDING_FIELDS, out))
 
+  def export_filter(self) -> tf.Tensor:
+    """uint8 [filter_cells]: the admission filter's cells (empty without a filter)."""
+    with tf.device(self._resource_device):
+      return _ops().gba_hash_table_export_filter(self.resource_handle)
+
+  def import_filter(self, cells) -> tf.Operation:
+    """Replaces the admission filter's cells (as `export_filter` returns them)."""
+    with tf.device(self._resource_device):
+      return _ops().gba_hash_table_import_filter(self.resource_handle,
+                                                 tf.convert_to_tensor(cells, tf.uint8))
+
   def import_rows(self, rows: Dict[str, tf.Tensor]) -> tf.Operation:
     """Replaces the shard's rows with `rows` (as `export` returns them; pending counts optional)."""
     pending = [rows[f] if f in rows else tf.zeros([0], tf.int64) for f in PENDING_FIELDS]
@@ -185,6 +200,8 @@ class HashTableShard(tf.saved_model.experimental.TrackableResource):
 EXPORT_FIELDS = ("keys", "values", "slots", "tags", "frequency", "last_seen")
 # Admission's keys without a row yet: their training-lookup counts and latest steps.
 PENDING_FIELDS = ("pending_keys", "pending_counts", "pending_last_seen")
+# With an admission filter: its cells, [shards, filter_cells] (one row per shard when saved).
+FILTER_FIELD = "admission_filter"
 # The order of HashTableShard.counters().
 COUNTER_FIELDS = ("rows", "pending", "admitted", "filtered", "evicted")
 
@@ -206,7 +223,11 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
   Checkpoint entries: `keys`, `values`, `slots`, `tags`, `frequency`, `last_seen`: every row of
   every shard, and, with `min_frequency` > 1, `pending_keys`, `pending_counts`,
   `pending_last_seen`: admission's counts (gathered on save; any order). A table without
-  admission saves and reads the six row entries only, as before admission existed. Restoring re-shards by key into this table's shards. With
+  admission saves and reads the six row entries only, as before admission existed. With
+  `admission_filter_cells`, `admission_filter` replaces the pending entries: every shard's filter,
+  [P, C]. Restoring re-shards the rows by key into this table's shards; the filters go back to their
+  own shards when P is unchanged, and otherwise every shard gets the cell-wise maximum of the saved
+  ones (each key's count stays at or above its true count: only early admissions can follow). With
   `ttl_steps` or `max_rows`, every shard evicts before its rows are saved.
 
   `eviction_interval`: the GBA optimizer runs `evict` on each shard every that many global steps
@@ -216,7 +237,7 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
   def __init__(self, dim: int, devices: Sequence[str] = ("",), seed: int = 0,
                initializer: str = "uniform", init_a: float = -0.05, init_b: float = 0.05,
                name: str = "hash_table", min_frequency: int = 0, ttl_steps: int = 0,
-               max_rows: int = 0, eviction_interval: int = 100):
+               max_rows: int = 0, eviction_interval: int = 100, admission_filter_cells: int = 0):
     if int(dim) != dim or dim < 1:
       raise ValueError(f"dim (the embedding width) must be an integer >= 1, got {dim!r}.")
     if initializer not in INITIALIZERS:
@@ -227,6 +248,13 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
                         ("max_rows", max_rows)):
       if int(value) != value or value < 0:
         raise ValueError(f"{what} must be an integer >= 0 (0: off), got {value!r}.")
+    if int(admission_filter_cells) != admission_filter_cells or admission_filter_cells < 0:
+      raise ValueError("admission_filter_cells must be an integer >= 0 (0: exact admission "
+                       f"counts), got {admission_filter_cells!r}.")
+    if admission_filter_cells and min_frequency <= 1:
+      raise ValueError(f"admission_filter_cells={admission_filter_cells} holds admission counts, "
+                       "but admission is off (min_frequency <= 1): set min_frequency >= 2, or "
+                       "drop admission_filter_cells.")
     if 0 < max_rows < len(devices):
       raise ValueError(f"max_rows={max_rows} is below the number of shards ({len(devices)}): each "
                        "shard keeps max_rows / shards rows; raise it or use fewer shards.")
@@ -236,13 +264,14 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
     self.min_frequency, self.ttl_steps, self.max_rows = (int(min_frequency), int(ttl_steps),
                                                          int(max_rows))
     self.eviction_interval = int(eviction_interval)
+    self.admission_filter_cells = int(admission_filter_cells)
     self._dim = int(dim)
     self._seed = int(seed)
     self._name = name
     self._shards = [HashTableShard(dim, device=d, seed=seed, initializer=initializer,
                                    init_a=init_a, init_b=init_b, name=f"{name}_{i}",
                                    min_frequency=min_frequency, ttl_steps=ttl_steps,
-                                   max_rows=budget)
+                                   max_rows=budget, filter_cells=admission_filter_cells)
                     for i, (d, budget) in enumerate(zip(devices,
                                                         _budget_split(max_rows, len(devices))))]
 
@@ -300,8 +329,9 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
 
   @property
   def evicts(self) -> bool:
-    """Whether eviction has anything to do (ttl_steps or max_rows set)."""
-    return bool(self.ttl_steps or self.max_rows)
+    """Whether eviction has anything to do (ttl_steps or max_rows set, or an admission filter,
+    which decays at evictions)."""
+    return bool(self.ttl_steps or self.max_rows or self.admission_filter_cells)
 
   def evict(self, global_step=-1) -> tf.Operation:
     """Eviction on every shard, each on its own device (see HashTableShard.evict)."""
@@ -337,17 +367,44 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
 
   # ---- checkpointing ---------------------------------------------------------------------------
   def _checkpoint_fields(self) -> Tuple[str, ...]:
+    if self.admission_filter_cells:
+      return EXPORT_FIELDS
     return EXPORT_FIELDS + (PENDING_FIELDS if self.min_frequency > 1 else ())
+
+  def export_filters(self) -> tf.Tensor:
+    """uint8 [shards, admission_filter_cells]: every shard's admission filter."""
+    return tf.stack([s.export_filter() for s in self._shards])
+
+  def import_filters(self, cells) -> tf.Operation:
+    """Every shard's filter from `cells` [P', C]: row i for shard i when P' is this table's shard
+    count, else the cell-wise maximum of all rows for every shard."""
+    cells = tf.convert_to_tensor(cells, tf.uint8)
+    if cells.shape.rank != 2:
+      raise ValueError(f"admission filters must be [shards, cells], got shape {cells.shape}.")
+    if cells.shape[0] == len(self._shards):
+      return tf.group([s.import_filter(cells[i]) for i, s in enumerate(self._shards)])
+    merged = tf.reduce_max(cells, axis=0)
+    return tf.group([s.import_filter(merged) for s in self._shards])
 
   def _serialize_to_tensors(self):
     if not self.evicts:
       rows = self.export()
+      filters = self.export_filters() if self.admission_filter_cells else None
     else:
       # Rows past their time-to-live or over the budget are not saved (SPEC section 6: eviction
       # runs before every checkpoint).
       with tf.control_dependencies([self.evict()]):
         rows = self.export()
-    return {f: rows[f] for f in self._checkpoint_fields()}
+        filters = self.export_filters() if self.admission_filter_cells else None
+    out = {f: rows[f] for f in self._checkpoint_fields()}
+    if filters is not None:
+      out[FILTER_FIELD] = filters
+    return out
 
   def _restore_from_tensors(self, restored_tensors):
-    return self.import_rows(restored_tensors)
+    restored = dict(restored_tensors)
+    filters = restored.pop(FILTER_FIELD, None)
+    ops = [self.import_rows(restored)]
+    if filters is not None:
+      ops.append(self.import_filters(filters))
+    return tf.group(ops)

@@ -23,7 +23,8 @@ MODEL_NAMES = ("deepfm", "dcn", "youtube_dnn")
 # vocabulary), or an expandable hash table over the raw ids (tf_gba.layers.HashEmbedding).
 EMBEDDINGS = ("vocab", "hash")
 # --embedding=hash's admission and eviction flags (SPEC section 6), 0 meaning off.
-HASH_OPTION_FLAGS = ("hash_min_frequency", "hash_ttl_steps", "hash_max_rows")
+HASH_OPTION_FLAGS = ("hash_min_frequency", "hash_ttl_steps", "hash_max_rows",
+                     "hash_admission_filter_cells")
 INPUTS = ("shared", "sharded")
 # Worker steps of a run that reads static shards and sets no --steps (the original default).
 DEFAULT_STEPS = 2000
@@ -62,6 +63,7 @@ class TrainConfig:
   hash_min_frequency: int = 0
   hash_ttl_steps: int = 0
   hash_max_rows: int = 0
+  hash_admission_filter_cells: int = 0
   eval_examples: int = 20000
   day: Optional[int] = None
   # Evaluate on every example of this day (train rows, then eval rows) instead of on the eval
@@ -207,6 +209,10 @@ class TrainConfig:
       if value and self.embedding != "hash":
         raise ValueError(f"--{name}={value} applies to --embedding=hash only: drop it, or add "
                          "--embedding=hash.")
+    if self.hash_admission_filter_cells and self.hash_min_frequency < 2:
+      raise ValueError(f"--hash_admission_filter_cells={self.hash_admission_filter_cells} holds "
+                       "admission counts, but admission is off: add --hash_min_frequency=2 (or "
+                       "more), or drop --hash_admission_filter_cells.")
     if 0 < self.hash_max_rows < self.num_ps and mode.kind == mode_registry.PARAMETER_SERVER:
       raise ValueError(f"--hash_max_rows={self.hash_max_rows} is below --num_ps={self.num_ps}: "
                        "each parameter server keeps hash_max_rows / num_ps rows; raise it.")
@@ -287,7 +293,8 @@ class TrainConfig:
     if self.embedding != "hash":
       return None
     return {"min_frequency": self.hash_min_frequency, "ttl_steps": self.hash_ttl_steps,
-            "max_rows": self.hash_max_rows}
+            "max_rows": self.hash_max_rows,
+            "admission_filter_cells": self.hash_admission_filter_cells}
 
   def _check_hash_embedding(self, mode) -> None:
     """--embedding=hash needs its table on the parameter servers, updated through GBA, or on

@@ -53,6 +53,6 @@ def report(model, optimizer) -> Dict[str, dict]:
         "bytes_per_row": round(allocated / total, 1) if total else None,
         "row_bytes": None if slots is None else layer.output_dim * (1 + slots) * 4,
         "min_frequency": layer.min_frequency, "ttl_steps": layer.ttl_steps,
-        "max_rows": layer.max_rows,
+        "max_rows": layer.max_rows, "admission_filter_cells": layer.admission_filter_cells,
         **{f: counters[f] for f in ("pending", "admitted", "filtered", "evicted")}}
   return out

@@ -13,7 +13,14 @@
 // Admission and eviction (optional, SPEC section 6): with min_frequency = k > 1 a key gets a row
 // only at its k-th training lookup; until then an exact pending count (and the step it was last
 // seen) is kept per key, lookups return the zero row and gradients of the key are dropped and
-// counted as filtered. Evict() removes rows not seen for more than ttl_steps global steps, then,
+// counted as filtered. With filter_cells = C > 0 the counts live instead in a counting Bloom
+// filter of C one-byte cells (kFilterHashes cells per key, conservative update, saturating at 255):
+// fixed memory whatever the stream, at the price of false positives that admit a key early. Its
+// estimate of a key's count is the minimum of its cells, never below the true count. An eviction
+// halves every cell (the filter's way to forget keys not seen lately) when more than half of
+// them are in use, or, with ttl_steps, when the last halving is ttl_steps or more steps back:
+// false positives stay rare (a key's three cells all in use) and counts of keys seen once go.
+// Evict() removes rows not seen for more than ttl_steps global steps, then,
 // while more than max_rows remain, the least frequent (ties: oldest last_seen, then smallest key),
 // compacting the survivors in their order so that whole blocks are freed. With any of the three
 // on, an apply or tag write for a key without a row drops it (counted as filtered) instead of
@@ -72,6 +79,10 @@ struct HashTableConfig {
   int64_t min_frequency = 0;  // <= 1: every training lookup inserts
   int64_t ttl_steps = 0;      // 0: no time-to-live
   int64_t max_rows = 0;       // 0: no budget
+  int64_t filter_cells = 0;   // admission counts: 0 exact per key, else a counting Bloom filter
+
+  // Whether admission counts live in the counting Bloom filter.
+  bool uses_filter() const { return min_frequency > 1 && filter_cells > 0; }
 
   // Whether keys without a row are dropped, not inserted, by applies and tag writes.
   bool drops_missing() const { return min_frequency > 1 || ttl_steps > 0 || max_rows > 0; }
@@ -106,9 +117,24 @@ struct HashApplyArgs {
   int64_t iteration = 0;  // the optimizer's `iterations` before this step (Adam: t = iteration+1)
 };
 
+// Cells of a key in a counting Bloom filter of `cells` cells: kFilterHashes indices from the
+// key's own mixed stream (independent of the shard and of the row's initial value).
+constexpr int kFilterHashes = 3;
+constexpr uint64_t kFilterSalt = 0xA0761D6478BD642FULL;
+
+inline void FilterCells(int64_t key, int64_t cells, int64_t out[kFilterHashes]) {
+  const uint64_t h = Mix64(static_cast<uint64_t>(key) ^ kFilterSalt);
+  for (int j = 0; j < kFilterHashes; ++j) {
+    out[j] = static_cast<int64_t>(Mix64(h + static_cast<uint64_t>(j + 1) * kGoldenGamma) %
+                                  static_cast<uint64_t>(cells));
+  }
+}
+
 class HashTable : public ::tensorflow::ResourceBase {
  public:
-  explicit HashTable(const HashTableConfig& config) : config_(config), row_floats_(config.dim) {}
+  explicit HashTable(const HashTableConfig& config) : config_(config), row_floats_(config.dim) {
+    if (config.uses_filter()) filter_.assign(config.filter_cells, 0);
+  }
 
   std::string DebugString() const override {
     return ::tensorflow::strings::StrCat("GBA HashTable(dim=", config_.dim, ")");
@@ -138,6 +164,14 @@ class HashTable : public ::tensorflow::ResourceBase {
       int64_t r;
       if (it != index_.end()) {
         r = it->second;
+      } else if (config_.uses_filter()) {
+        const int64_t count = FilterAddLocked(keys[i]);
+        if (count < config_.min_frequency) {
+          std::fill(out + i * config_.dim, out + (i + 1) * config_.dim, 0.0f);
+          continue;
+        }
+        r = InsertLocked(keys[i]);
+        MetaLocked(r).frequency = count - 1;  // this lookup adds the last one below
       } else if (config_.min_frequency > 1) {
         auto p = pending_.try_emplace(keys[i], Pending{0, step}).first;
         const int64_t count = ++p->second.count;
@@ -228,8 +262,14 @@ class HashTable : public ::tensorflow::ResourceBase {
   };
   Counters GetCounters() const TF_LOCKS_EXCLUDED(mu_) {
     ::tensorflow::tf_shared_lock lock(mu_);
-    return Counters{num_rows_, static_cast<int64_t>(pending_.size()), admitted_, filtered_,
-                    evicted_};
+    // With the filter, `pending` is its cells in use (a key without a row holds up to
+    // kFilterHashes of them; keys share cells).
+    const int64_t pending =
+        config_.uses_filter()
+            ? static_cast<int64_t>(filter_.size() -
+                                   std::count(filter_.begin(), filter_.end(), uint8_t{0}))
+            : static_cast<int64_t>(pending_.size());
+    return Counters{num_rows_, pending, admitted_, filtered_, evicted_};
   }
 
   int64_t Size() const TF_LOCKS_EXCLUDED(mu_) {
@@ -247,8 +287,19 @@ class HashTable : public ::tensorflow::ResourceBase {
                           (sizeof(std::pair<const int64_t, int64_t>) + 1);
     const int64_t pending = static_cast<int64_t>(pending_.capacity()) *
                             (sizeof(std::pair<const int64_t, Pending>) + 1);
-    return static_cast<int64_t>(blocks_.size()) * per_block + index + pending;
+    return static_cast<int64_t>(blocks_.size()) * per_block + index + pending +
+           static_cast<int64_t>(filter_.capacity());
   }
+
+  // The admission filter's cells (empty without one).
+  std::vector<uint8_t> ExportFilter() const TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::tf_shared_lock lock(mu_);
+    return filter_;
+  }
+
+  // Replaces the admission filter's cells; an error when the table has no filter or one of
+  // another size.
+  Status ImportFilter(const uint8_t* cells, int64_t n) TF_LOCKS_EXCLUDED(mu_);
 
   struct Snapshot {
     std::vector<int64_t> keys, tags, frequency, last_seen;
@@ -308,6 +359,32 @@ class HashTable : public ::tensorflow::ResourceBase {
     return r;
   }
 
+  // Counts one training lookup of a key without a row in the filter (conservative update: only
+  // the key's cells at its current minimum grow) and returns the key's estimated count.
+  int64_t FilterAddLocked(int64_t key) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    int64_t cells[kFilterHashes];
+    FilterCells(key, config_.filter_cells, cells);
+    uint8_t low = 255;
+    for (int64_t c : cells) low = std::min(low, filter_[c]);
+    if (low == 255) return 255;
+    for (int64_t c : cells) {
+      if (filter_[c] == low) filter_[c] = low + 1;
+    }
+    return low + 1;
+  }
+
+  // Halves every filter cell when more than half are in use or ttl_steps have passed since the
+  // last halving (see the top of this file).
+  void DecayFilterLocked(int64_t step) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (filter_.empty()) return;
+    const int64_t used = static_cast<int64_t>(
+        filter_.size() - std::count(filter_.begin(), filter_.end(), uint8_t{0}));
+    const bool due = config_.ttl_steps > 0 && step - filter_decayed_at_ >= config_.ttl_steps;
+    if (!due && 2 * used <= static_cast<int64_t>(filter_.size())) return;
+    for (uint8_t& c : filter_) c >>= 1;
+    filter_decayed_at_ = step;
+  }
+
   float SlotInitLocked() const TF_SHARED_LOCKS_REQUIRED(mu_) {
     return optimizer_ == HashOptimizer::kAdagrad ? initial_accumulator_ : 0.0f;
   }
@@ -342,6 +419,9 @@ class HashTable : public ::tensorflow::ResourceBase {
   int64_t known_step_ TF_GUARDED_BY(mu_) = 0;
   // Admission's exact counts of keys without a row (min_frequency > 1 only).
   absl::flat_hash_map<int64_t, Pending> pending_ TF_GUARDED_BY(mu_);
+  // Admission's counting Bloom filter (filter_cells > 0 only) and the step it last decayed at.
+  std::vector<uint8_t> filter_ TF_GUARDED_BY(mu_);
+  int64_t filter_decayed_at_ TF_GUARDED_BY(mu_) = 0;
   int64_t admitted_ TF_GUARDED_BY(mu_) = 0;  // rows created by lookups, applies, tag writes
   int64_t filtered_ TF_GUARDED_BY(mu_) = 0;  // gradient rows dropped: their key had no row
   int64_t evicted_ TF_GUARDED_BY(mu_) = 0;   // rows removed by Evict

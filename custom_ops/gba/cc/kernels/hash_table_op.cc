@@ -6,6 +6,10 @@
 #include <cmath>
 #include <vector>
 
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+
 #include "custom_ops/common/kernel_util.h"
 #include "custom_ops/common/resource_util.h"
 #include "custom_ops/gba/cc/kernels/hash_table.h"
@@ -133,6 +137,7 @@ int64_t HashTable::Evict(int64_t step, Evicted* removed) {
       pending_.rehash(0);  // give the memory back: the index shrinks to fit
     }
   }
+  DecayFilterLocked(step);
   if (config_.max_rows > 0 && kept > config_.max_rows) {
     std::vector<int64_t> left;
     left.reserve(kept);
@@ -176,6 +181,12 @@ int64_t HashTable::Evict(int64_t step, Evicted* removed) {
   blocks_.resize((w + kBlockRows - 1) >> kBlockShift);
   if (index_.size() * 4 < index_.capacity()) index_.rehash(0);
   evicted_ += n - w;
+#ifdef __GLIBC__
+  // The freed blocks and the eviction's own vectors go back to the system, not to the
+  // allocator's free lists: a table at its budget then holds what its rows take, as resident
+  // memory goes (benchmarks/hash_embedding.py --budget_stream).
+  malloc_trim(0);
+#endif
   return n - w;
 }
 
@@ -256,6 +267,19 @@ Status HashTable::Import(const Snapshot& s, int64_t num_slots) {
   return ::tensorflow::OkStatus();
 }
 
+Status HashTable::ImportFilter(const uint8_t* cells, int64_t n) {
+  ::tensorflow::mutex_lock lock(mu_);
+  if (static_cast<int64_t>(filter_.size()) != n) {
+    return errors::InvalidArgument(
+        "The admission filter to import has ", n, " cells, but ", DebugString(), " has ",
+        filter_.size(), " (admission_filter_cells; 0 without a filter): restore with the value "
+        "the checkpoint was written with.");
+  }
+  std::copy(cells, cells + n, filter_.begin());
+  filter_decayed_at_ = known_step_;
+  return ::tensorflow::OkStatus();
+}
+
 namespace {
 
 Status ParseTableConfig(OpKernelConstruction* ctx, HashTableConfig* c) {
@@ -269,6 +293,11 @@ Status ParseTableConfig(OpKernelConstruction* ctx, HashTableConfig* c) {
   TF_RETURN_IF_ERROR(ctx->GetAttr("min_frequency", &c->min_frequency));
   TF_RETURN_IF_ERROR(ctx->GetAttr("ttl_steps", &c->ttl_steps));
   TF_RETURN_IF_ERROR(ctx->GetAttr("max_rows", &c->max_rows));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("filter_cells", &c->filter_cells));
+  if (c->filter_cells < 0) {
+    return errors::InvalidArgument("filter_cells must be >= 0 (0: exact admission counts), got ",
+                                   c->filter_cells, ".");
+  }
   if (c->min_frequency < 0 || c->ttl_steps < 0 || c->max_rows < 0) {
     return errors::InvalidArgument("min_frequency, ttl_steps and max_rows must be >= 0 (0: off), "
                                    "got ", c->min_frequency, ", ", c->ttl_steps, ", ",
@@ -554,6 +583,31 @@ class HashTableImportOp : public OpKernel {
   }
 };
 
+class HashTableExportFilterOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HashTable> table;
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "hash table", &table));
+    const std::vector<uint8_t> cells = table->ExportFilter();
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 0, TensorShape({static_cast<int64_t>(cells.size())}), cells));
+  }
+};
+
+class HashTableImportFilterOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HashTable> table;
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "hash table", &table));
+    const Tensor& cells = ctx->input(1);
+    OP_REQUIRES(ctx, ::tensorflow::TensorShapeUtils::IsVector(cells.shape()),
+                errors::InvalidArgument("cells must be a vector, got shape ",
+                                        cells.shape().DebugString(), "."));
+    OP_REQUIRES_OK(ctx, table->ImportFilter(cells.flat<uint8_t>().data(), cells.dim_size(0)));
+  }
+};
+
 // shard = mix64(key) mod num_shards, as int32.
 class HashKeyShardOp : public OpKernel {
  public:
@@ -595,6 +649,10 @@ REGISTER_KERNEL_BUILDER(Name("GBA>HashTableEvict").Device(::tensorflow::DEVICE_C
                         HashTableEvictOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>HashTableCounters").Device(::tensorflow::DEVICE_CPU),
                         HashTableCountersOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>HashTableExportFilter").Device(::tensorflow::DEVICE_CPU),
+                        HashTableExportFilterOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>HashTableImportFilter").Device(::tensorflow::DEVICE_CPU),
+                        HashTableImportFilterOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>HashKeyShard").Device(::tensorflow::DEVICE_CPU),
                         HashKeyShardOp);
 

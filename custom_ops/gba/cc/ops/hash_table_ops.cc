@@ -35,6 +35,7 @@ REGISTER_OP("GBA>HashTableCreate")
     .Attr("min_frequency: int = 0")
     .Attr("ttl_steps: int = 0")
     .Attr("max_rows: int = 0")
+    .Attr("filter_cells: int = 0")
     .Attr("container: string = ''")
     .Attr("shared_name: string = ''")
     .SetIsStateful()
@@ -47,6 +48,8 @@ stddev init_b, from splitmix64's counter-based stream of the key.
 Admission and eviction (0: off): a key gets a row at its min_frequency-th training lookup (zero
 rows and filtered gradients before); HashTableEvict removes rows not seen for more than ttl_steps
 global steps, then the least frequent (ties: oldest last_seen, smallest key) beyond max_rows.
+filter_cells > 0 (with min_frequency > 1): admission counts in a counting Bloom filter of that many
+one-byte cells instead of exact per-key counts.
 )doc");
 
 REGISTER_OP("GBA>HashTableLookup")
@@ -157,6 +160,26 @@ REGISTER_OP("GBA>HashTableImport")
     })
     .Doc("Replaces the table's content with the given rows and pending counts (a checkpoint "
          "restore).");
+
+REGISTER_OP("GBA>HashTableExportFilter")
+    .Input("handle: resource")
+    .Output("cells: uint8")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("The cells of the table's admission filter ([filter_cells]; empty without one).");
+
+REGISTER_OP("GBA>HashTableImportFilter")
+    .Input("handle: resource")
+    .Input("cells: uint8")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      return c->WithRank(c->input(1), 1, &unused);
+    })
+    .Doc("Replaces the cells of the table's admission filter (a checkpoint restore).");
 
 REGISTER_OP("GBA>HashTableEvict")
     .Input("handle: resource")
