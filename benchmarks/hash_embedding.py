@@ -145,7 +145,7 @@ def budget_stream(stream_keys, stream_steps, repeat_share, shards, dim, optimize
           "rows_within_budget": all(t["rows"] <= max_rows for t in timeline),
           # The pending counts are not bounded by max_rows: only ttl_steps forgets them.
           "last_bytes_within_budget_and_pending": (
-              last["table_bytes"] <= budget_bytes + pending_bytes_bound)}
+              last["table_bytes"] <= implied + pending_bytes_bound)}
 
 
 def plot_budget_stream(budget: dict, path: str) -> Optional[str]:

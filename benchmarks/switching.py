@@ -317,7 +317,7 @@ def run_config(args: argparse.Namespace, protocol: Protocol, mode: str, seed: in
   return dict(
       input=args.input,
       mode=mode, model=args.model, data=args.data, data_options=protocol.data_options,
-      num_ps=1, num_workers=num_workers, local_batch_size=local_batch,
+      embedding=getattr(args, "embedding", "vocab"), num_ps=1, num_workers=num_workers, local_batch_size=local_batch,
       learning_rate=args.learning_rate, staleness_threshold=args.staleness_threshold,
       stragglers=PROFILES.get(args.stragglers, args.stragglers), straggler_seed=seed, seed=seed,
       straggler_delay=getattr(args, "straggler_delay", "after_push"), steps=steps,
@@ -670,7 +670,7 @@ def markdown(results: dict) -> str:
       f"Data `{a['data']}` (options `{p['data_options']}`), {p['num_days']} day(s); base days "
       f"{p['base_days']}, then the switched mode trains on days {p['train_days']}, each model "
       f"evaluated on {eval_what} ({p['eval_examples']:,} examples at most).",
-      f"Every run: {a['model']}, 1 PS (parameter-server modes), {a['num_workers']} workers, local "
+      f"Every run: {a['model']} ({a.get('embedding', 'vocab')} embeddings), 1 PS (parameter-server modes), {a['num_workers']} workers, local "
       f"batch {a['local_batch_size']}, Adam lr {a['learning_rate']:g}, iota "
       f"{a['staleness_threshold']}, stragglers `{results['stragglers']}` (slowdown "
       f"{a.get('straggler_delay', 'after_push').replace('_', ' ')} in the parameter-server modes), input "
@@ -825,6 +825,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--input", default="shared", choices=["shared", "sharded"],
                  help="parameter-server modes' input: the shared data list or static shards")
   p.add_argument("--model", default="deepfm")
+  p.add_argument("--embedding", default="vocab", choices=["vocab", "hash"],
+                 help="the models' embeddings (examples/train.py --embedding): with hash, every "
+                      "run keeps an expandable hash table, carried across each switch")
   p.add_argument("--num_workers", type=int, default=4)
   p.add_argument("--local_batch_size", type=int, default=256)
   # Above TrainConfig's 0.001: at the default synthetic size (32 global steps a day) a model at
@@ -863,6 +866,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   if args.seeds < 1 or args.base_days < 1 or args.num_workers < 2:
     p.error("need --seeds >= 1, --base_days >= 1 and --num_workers >= 2")
   args.modes_list = expand_modes(args.modes_list, args.sweep, args.num_workers)
+  if args.embedding == "hash":
+    hosts = set(mode_registry.hash_embedding_modes())
+    refused = sorted({split_setting(m)[0] for m in args.modes_list} - hosts)
+    if refused:
+      p.error(f"--embedding=hash: {', '.join(refused)} cannot host a hash table (modes that can: "
+              f"{', '.join(sorted(hosts))}); pass --modes with those only.")
   if args.gba_local_batch_size is not None:
     global_batch = args.num_workers * args.local_batch_size
     if args.gba_local_batch_size < 1 or global_batch % args.gba_local_batch_size:
@@ -943,4 +952,5 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-  sys.exit(1 if any(r["status"] == "failed" for r in main()["runs"]) else 0)
+  # A dry run returns no runs.
+  sys.exit(1 if any(r["status"] == "failed" for r in main().get("runs", [])) else 0)

@@ -16,6 +16,8 @@
 
 namespace tf_gba {
 
+void ReleaseFreedMemory();
+
 void HashTable::Apply(const int64_t* keys, const float* grads, int64_t n,
                       const HashApplyArgs& a) {
   const int64_t dim = config_.dim;
@@ -155,7 +157,10 @@ int64_t HashTable::Evict(int64_t step, Evicted* removed) {
     for (int64_t i = 0; i < excess; ++i) drop[left[i]] = 1;
     kept = config_.max_rows;
   }
-  if (kept == n) return 0;
+  if (kept == n) {
+    ReleaseFreedMemory();  // the key index's old slots after a growth, the pending counts'
+    return 0;
+  }
   // Compaction in row order: survivors keep their relative order, the freed tail blocks go.
   int64_t w = 0;
   for (int64_t r = 0; r < n; ++r) {
@@ -181,12 +186,7 @@ int64_t HashTable::Evict(int64_t step, Evicted* removed) {
   blocks_.resize((w + kBlockRows - 1) >> kBlockShift);
   if (index_.size() * 4 < index_.capacity()) index_.rehash(0);
   evicted_ += n - w;
-#ifdef __GLIBC__
-  // The freed blocks and the eviction's own vectors go back to the system, not to the
-  // allocator's free lists: a table at its budget then holds what its rows take, as resident
-  // memory goes (benchmarks/hash_embedding.py --budget_stream).
-  malloc_trim(0);
-#endif
+  ReleaseFreedMemory();
   return n - w;
 }
 
@@ -265,6 +265,15 @@ Status HashTable::Import(const Snapshot& s, int64_t num_slots) {
     known_step_ = std::max({known_step_, s.tags[i] + 1, s.last_seen[i]});
   }
   return ::tensorflow::OkStatus();
+}
+
+void ReleaseFreedMemory() {
+#ifdef __GLIBC__
+  // Freed blocks, a grown index's old slots and the eviction's own vectors go back to the
+  // system instead of staying in the allocator's free lists: a table at its budget then holds,
+  // as resident memory, what its rows take (benchmarks/hash_embedding.py --budget_stream).
+  malloc_trim(0);
+#endif
 }
 
 Status HashTable::ImportFilter(const uint8_t* cells, int64_t n) {
