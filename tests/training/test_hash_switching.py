@@ -8,9 +8,6 @@ last-seen steps) of the checkpoint it restored, in whatever order its shards kee
 global step carries over.
 """
 
-import os
-import shutil
-
 import numpy as np
 import pytest
 
@@ -19,7 +16,6 @@ import tensorflow as tf  # noqa: E402
 
 from tests.training import test_switching as switching  # the resave helpers
 from tf_gba.ops import hash_table_ops
-from tf_gba.training import runner
 
 CHAIN = ("sync", "gba", "sync")
 WORKERS, LOCAL_BATCH, STEPS = 2, 32, 8
@@ -51,16 +47,7 @@ def _assert_same_table(saved_path, resaved_path):
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
   root = tmp_path_factory.mktemp("hash_switching")
-  runs, previous = [], None
-  for i, mode in enumerate(CHAIN):
-    model_dir = str(root / f"{i}_{mode}")
-    if previous:
-      shutil.copytree(previous, model_dir)
-      os.remove(os.path.join(model_dir, "summary.json"))
-    summary = runner.run(_config(mode, model_dir))
-    runs.append((mode, model_dir, summary))
-    previous = model_dir
-  return root, runs
+  return root, switching.run_chain(root, CHAIN, _config)
 
 
 def test_the_global_step_and_the_table_carry_over(chain):

@@ -97,20 +97,26 @@ def assert_same_checkpoint(saved_path, resaved_path):
   return shared
 
 
-@pytest.fixture(scope="module")
-def chain(tmp_path_factory):
-  """Runs CHAIN; each run starts from a copy of the previous run's model_dir."""
-  root = tmp_path_factory.mktemp("switching")
+def run_chain(root, modes, config=_config):
+  """Runs `modes` in order, each starting from a copy of the previous run's model_dir:
+  [(mode, model_dir, summary)]."""
   runs, previous = [], None
-  for i, mode in enumerate(CHAIN):
+  for i, mode in enumerate(modes):
     model_dir = str(root / f"{i}_{mode}")
     if previous:
       shutil.copytree(previous, model_dir)
       os.remove(os.path.join(model_dir, "summary.json"))
-    summary = runner.run(_config(mode, model_dir))
+    summary = runner.run(config(mode, model_dir))
     runs.append((mode, model_dir, summary))
     previous = model_dir
-  return root, runs
+  return runs
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+  """Runs CHAIN; each run starts from a copy of the previous run's model_dir."""
+  root = tmp_path_factory.mktemp("switching")
+  return root, run_chain(root, CHAIN)
 
 
 def test_every_mode_continues_the_global_step(chain):
