@@ -387,18 +387,13 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
     return tf.group([s.import_filter(merged) for s in self._shards])
 
   def _serialize_to_tensors(self):
-    if not self.evicts:
+    # Rows past their time-to-live or over the budget are not saved (SPEC section 6: eviction
+    # runs before every checkpoint).
+    with tf.control_dependencies([self.evict()] if self.evicts else []):
       rows = self.export()
-      filters = self.export_filters() if self.admission_filter_cells else None
-    else:
-      # Rows past their time-to-live or over the budget are not saved (SPEC section 6: eviction
-      # runs before every checkpoint).
-      with tf.control_dependencies([self.evict()]):
-        rows = self.export()
-        filters = self.export_filters() if self.admission_filter_cells else None
-    out = {f: rows[f] for f in self._checkpoint_fields()}
-    if filters is not None:
-      out[FILTER_FIELD] = filters
+      out = {f: rows[f] for f in self._checkpoint_fields()}
+      if self.admission_filter_cells:
+        out[FILTER_FIELD] = self.export_filters()
     return out
 
   def _restore_from_tensors(self, restored_tensors):

@@ -33,16 +33,16 @@ def report(model, optimizer) -> Dict[str, dict]:
   """{layer name: the fields above} for every HashEmbedding of `model` ({} if none)."""
   out = {}
   slots = None
-  # GBA's inner optimizer, or the Keras optimizer itself in sync (hash_rows.apply_replicated).
-  inner = optimizer.inner_optimizer if isinstance(optimizer, GBA) else optimizer
-  try:
-    kind, _, _ = hash_rows.fused_optimizer(inner)
-    slots = hash_table_ops.NUM_SLOTS[kind]
-  except (ValueError, AttributeError):
-    pass
   for layer in model.layers:
     if not isinstance(layer, HashEmbedding) or layer.table is None:
       continue
+    if slots is None:
+      # The optimizer that updated the rows: GBA's inner one, or the Keras optimizer itself in
+      # sync (hash_rows.apply_replicated). Asked only when there is a table: a model without one
+      # may train with an optimizer the table could not apply.
+      inner = optimizer.inner_optimizer if isinstance(optimizer, GBA) else optimizer
+      kind, _, _ = hash_rows.fused_optimizer(inner)
+      slots = hash_table_ops.NUM_SLOTS[kind]
     sizes = [shard.size() for shard in layer.table.shards]
     rows = [int(r.numpy()) for r, _ in sizes]
     allocated = sum(int(b.numpy()) for _, b in sizes)
@@ -51,7 +51,7 @@ def report(model, optimizer) -> Dict[str, dict]:
     out[layer.name] = {
         "rows": total, "rows_per_shard": rows, "allocated_bytes": allocated,
         "bytes_per_row": round(allocated / total, 1) if total else None,
-        "row_bytes": None if slots is None else layer.output_dim * (1 + slots) * 4,
+        "row_bytes": layer.output_dim * (1 + slots) * 4,
         "min_frequency": layer.min_frequency, "ttl_steps": layer.ttl_steps,
         "max_rows": layer.max_rows, "admission_filter_cells": layer.admission_filter_cells,
         **{f: counters[f] for f in ("pending", "admitted", "filtered", "evicted")}}

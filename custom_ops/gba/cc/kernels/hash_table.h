@@ -264,11 +264,8 @@ class HashTable : public ::tensorflow::ResourceBase {
     ::tensorflow::tf_shared_lock lock(mu_);
     // With the filter, `pending` is its cells in use (a key without a row holds up to
     // kFilterHashes of them; keys share cells).
-    const int64_t pending =
-        config_.uses_filter()
-            ? static_cast<int64_t>(filter_.size() -
-                                   std::count(filter_.begin(), filter_.end(), uint8_t{0}))
-            : static_cast<int64_t>(pending_.size());
+    const int64_t pending = config_.uses_filter() ? FilterCellsInUseLocked()
+                                                  : static_cast<int64_t>(pending_.size());
     return Counters{num_rows_, pending, admitted_, filtered_, evicted_};
   }
 
@@ -373,12 +370,16 @@ class HashTable : public ::tensorflow::ResourceBase {
     return low + 1;
   }
 
+  int64_t FilterCellsInUseLocked() const TF_SHARED_LOCKS_REQUIRED(mu_) {
+    return static_cast<int64_t>(filter_.size() -
+                                std::count(filter_.begin(), filter_.end(), uint8_t{0}));
+  }
+
   // Halves every filter cell when more than half are in use or ttl_steps have passed since the
   // last halving (see the top of this file).
   void DecayFilterLocked(int64_t step) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (filter_.empty()) return;
-    const int64_t used = static_cast<int64_t>(
-        filter_.size() - std::count(filter_.begin(), filter_.end(), uint8_t{0}));
+    const int64_t used = FilterCellsInUseLocked();
     const bool due = config_.ttl_steps > 0 && step - filter_decayed_at_ >= config_.ttl_steps;
     if (!due && 2 * used <= static_cast<int64_t>(filter_.size())) return;
     for (uint8_t& c : filter_) c >>= 1;

@@ -15,8 +15,9 @@
 #include "custom_ops/gba/cc/kernels/hash_table.h"
 
 namespace tf_gba {
-
+namespace {
 void ReleaseFreedMemory();
+}  // namespace
 
 void HashTable::Apply(const int64_t* keys, const float* grads, int64_t n,
                       const HashApplyArgs& a) {
@@ -267,6 +268,7 @@ Status HashTable::Import(const Snapshot& s, int64_t num_slots) {
   return ::tensorflow::OkStatus();
 }
 
+namespace {
 void ReleaseFreedMemory() {
 #ifdef __GLIBC__
   // Freed blocks, a grown index's old slots and the eviction's own vectors go back to the
@@ -275,6 +277,7 @@ void ReleaseFreedMemory() {
   malloc_trim(0);
 #endif
 }
+}  // namespace
 
 Status HashTable::ImportFilter(const uint8_t* cells, int64_t n) {
   ::tensorflow::mutex_lock lock(mu_);
