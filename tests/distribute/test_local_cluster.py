@@ -193,3 +193,25 @@ def test_one_forker_starting_does_not_hold_up_another_environments(monkeypatch, 
   slow.join(10)
   same.join(10)
   assert results["same"][0] is results["slow"][0]
+
+
+def test_free_ports_are_outside_the_ephemeral_range_and_free(monkeypatch):
+  """Ports a client connection could take as its local port would race the server's bind."""
+  import socket  # pylint: disable=g-import-not-at-top
+  from tf_gba.distribute import local_cluster  # pylint: disable=g-import-not-at-top
+  low, high = local_cluster._ephemeral_port_range()  # pylint: disable=protected-access
+  ports = local_cluster.free_ports(40)
+  assert len(set(ports)) == 40
+  assert all(p < low or p > high for p in ports), ports
+  # A port held by a listener is not offered: with 41 candidates and 40 asked for, every free one
+  # is taken (and the kernel's choice fills in for any other process's), never the held one.
+  monkeypatch.setattr(local_cluster, "_LOWEST_PORT", low - 3000)
+  monkeypatch.setattr(local_cluster, "_ephemeral_port_range", lambda: (low - 3000 + 41, high))
+  held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  held.bind(("", low - 3000 + 7))
+  held.listen()
+  try:
+    ports = local_cluster.free_ports(40)
+    assert len(set(ports)) == 40 and low - 3000 + 7 not in ports, ports
+  finally:
+    held.close()

@@ -18,6 +18,7 @@ tensors only as it exits, one RPC each; with the servers gone, TensorFlow's runt
 import atexit
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -25,17 +26,52 @@ import subprocess
 import tempfile
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
 from tf_gba.distribute import server_forker
 
 
+# Below: ports of well-known services some machines run.
+_LOWEST_PORT = 10000
+
+
+def _ephemeral_port_range() -> Tuple[int, int]:
+  try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+      low, high = (int(v) for v in f.read().split())
+    return low, high
+  except (OSError, ValueError):
+    return 32768, 60999  # Linux's default
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
+  """`n` distinct ports free now, for servers to listen on later.
+
+  Chosen below the kernel's ephemeral range: a port from `bind(0)` is free only until the next
+  outgoing connection (every gRPC channel opens some) takes it as its local port, which made a
+  server fail to start now and then. Ports outside that range are never handed to clients.
+  """
+  low, _ = _ephemeral_port_range()
+  candidates = list(range(_LOWEST_PORT, low))
+  rng = random.SystemRandom()
+  rng.shuffle(candidates)
   socks, ports = [], []
   try:
-    for _ in range(n):
+    for port in candidates:
+      if len(ports) == n:
+        break
+      s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+      try:
+        # gRPC servers listen on every interface: the port must be free there, not on host alone.
+        s.bind(("", port))
+      except OSError:
+        s.close()
+        continue
+      socks.append(s)
+      ports.append(port)
+    while len(ports) < n:  # no room below the ephemeral range: fall back to the kernel's choice
       s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
       s.bind((host, 0))
       socks.append(s)
