@@ -4,9 +4,10 @@ Two MultiWorkerMirroredStrategy workers on 127.0.0.1 each hold a whole HashEmbed
 step they look up their own batch (the union of both batches is inserted and counted on both),
 then `tf_gba.optimizers.hash_rows.apply_replicated` all-gathers the (key, gradient row) pairs,
 sums them per key and applies the table's fused SGD, Adagrad or LazyAdam, while a dense bias
-takes Keras' all-reduce. The reference below recomputes the same two steps in float64 NumPy from
-the batches and the tables' initial rows: per key, the replicas' gradients (of loss / N) summed,
-a key missing from one replica's batch counting as zero, then each optimizer's formula.
+takes Keras' all-reduce. The reference below recomputes the same four steps in float64 NumPy
+from the batches and the tables' initial rows: per key, the replicas' gradients (of loss / N)
+summed, a key missing from one replica's batch counting as zero, then each optimizer's formula;
+with a TTL, the rows the table evicts at its eviction interval.
 """
 
 import os
@@ -19,12 +20,16 @@ import tensorflow as tf
 from tf_gba.distribute import collective_cluster
 from tf_gba.ops import hash_table_ops
 
-DIM, FIELDS, BATCH, STEPS, SEED = 3, 2, 4, 2, 11
+DIM, FIELDS, BATCH, STEPS, SEED = 3, 2, 4, 4, 11
 LR = 0.1
-KINDS = ("sgd", "adagrad", "adam", "adagrad_admission")
+KINDS = ("sgd", "adagrad", "adam", "adagrad_admission", "sgd_ttl")
 # "adagrad_admission": Adagrad on a table with min_frequency=2 (a key gets its row at its second
 # training lookup; before, it reads the zero row and its gradients are dropped).
 MIN_FREQUENCY = {"adagrad_admission": 2}
+# "sgd_ttl": SGD on a table with ttl_steps=1 that evicts every 3 steps: after step 2, the keys
+# that step 2 did not look up and step 1 last did (8, 1001) go; one of them (8) step 3 looks up
+# again, and it starts from its initial row.
+TTL_STEPS, EVICTION_INTERVAL = {"sgd_ttl": 1}, 3
 _ENV = {"CUDA_VISIBLE_DEVICES": ""}
 _TARGET = f"{os.path.abspath(__file__)}:worker"
 # Per-field weights of the prediction: pred_b = sum_f row(ids[b, f]) . W[f] + bias.
@@ -55,11 +60,13 @@ def worker(num_steps: int) -> dict:
   for kind in KINDS:
     with strategy.scope():
       emb = HashEmbedding(DIM, seed=SEED, name=f"hash_{kind}",
-                          min_frequency=MIN_FREQUENCY.get(kind, 0))
+                          min_frequency=MIN_FREQUENCY.get(kind, 0),
+                          ttl_steps=TTL_STEPS.get(kind, 0), eviction_interval=EVICTION_INTERVAL)
       bias = tf.Variable(0.0, name="bias")
       optimizer = {"sgd": keras.optimizers.SGD(LR), "adagrad": keras.optimizers.Adagrad(LR),
                    "adam": keras.optimizers.Adam(LR),
-                   "adagrad_admission": keras.optimizers.Adagrad(LR)}[kind]
+                   "adagrad_admission": keras.optimizers.Adagrad(LR),
+                   "sgd_ttl": keras.optimizers.SGD(LR)}[kind]
       emb.build((None, FIELDS))
     weights = tf.constant(W, tf.float32)
 
@@ -99,6 +106,7 @@ def reference(kind: str, num_steps: int, replicas=(0, 1)) -> dict:
   """float64: rows, slots, frequency, last_seen, pending counts, bias after `num_steps` steps."""
   n = len(replicas)
   min_frequency = MIN_FREQUENCY.get(kind, 0)
+  ttl = TTL_STEPS.get(kind, 0)
   seen = sorted({int(k) for s in range(num_steps) for r in replicas
                  for k in batch(s, r)[0].flat})
   initial = dict(zip(seen, initial_rows(seen)))
@@ -130,7 +138,7 @@ def reference(kind: str, num_steps: int, replicas=(0, 1)) -> dict:
     for k, g in grads.items():
       if k not in rows:
         continue  # no row (admission): the gradient is dropped
-      if kind == "sgd":
+      if kind.startswith("sgd"):
         rows[k] = rows[k] - LR * g
       elif "adagrad" in kind:
         slots[k][0] = slots[k][0] + g * g
@@ -141,8 +149,13 @@ def reference(kind: str, num_steps: int, replicas=(0, 1)) -> dict:
         slots[k] = [m, v]
         alpha = LR * np.sqrt(1 - 0.999**t) / (1 - 0.9**t)
         rows[k] = rows[k] - alpha * m / (np.sqrt(v) + eps)
+    # TTL eviction after the apply, at the table's step t: a row not looked up for more than
+    # `ttl` steps goes with its slots and counts.
+    if ttl and t % EVICTION_INTERVAL == 0:
+      for k in [k for k in rows if t - last_seen[k] > ttl]:
+        del rows[k], slots[k], counts[k], last_seen[k]
     # The bias: Keras' optimizer on the all-reduced (summed) gradient.
-    if kind == "sgd":
+    if kind.startswith("sgd"):
       bias -= LR * bias_grad
     elif "adagrad" in kind:
       acc_b += bias_grad**2
@@ -151,7 +164,7 @@ def reference(kind: str, num_steps: int, replicas=(0, 1)) -> dict:
       m_b, v_b = 0.9 * m_b + 0.1 * bias_grad, 0.999 * v_b + 0.001 * bias_grad**2
       bias -= LR * np.sqrt(1 - 0.999**t) / (1 - 0.9**t) * m_b / (np.sqrt(v_b) + eps)
   keys = sorted(rows)
-  num_slots = hash_table_ops.NUM_SLOTS["adagrad" if "adagrad" in kind else kind]
+  num_slots = hash_table_ops.NUM_SLOTS["adagrad" if "adagrad" in kind else kind.split("_")[0]]
   pending = sorted(set(counts) - set(rows))
   return {"keys": np.array(keys), "values": np.array([rows[k] for k in keys]),
           "slots": np.array([np.concatenate(slots[k][:num_slots]) if num_slots else []
@@ -209,3 +222,18 @@ def test_admission_counts_each_key_once_per_step():
   # 1001: in both replicas' batches of step 1 and of no other step.
   assert all(1001 in batch(1, r)[0] for r in (0, 1))
   assert 1001 in ref["pending_keys"].tolist() and 1001 not in ref["keys"].tolist()
+
+
+def test_eviction_under_sync_drops_rows_and_a_returning_key_starts_again():
+  """The TTL reference evicts after step 2 what it claims, and an evicted key returns at step 3
+  (so the test above compares a re-initialised row, not only a missing one)."""
+  keys = lambda step: {int(k) for r in (0, 1) for k in batch(step, r)[0].flat}
+  evicted = (keys(0) | keys(1)) - keys(2)
+  assert evicted == {8, 1001} and evicted & keys(3) == {8}
+  ref, kept = reference("sgd_ttl", STEPS), reference("sgd", STEPS)
+  assert 1001 not in ref["keys"].tolist() and 1001 in kept["keys"].tolist()
+  back = sorted(evicted & keys(3))
+  at = lambda r, k: r["values"][r["keys"].tolist().index(k)]
+  for k in back:  # counted from its return only, and moved from its initial row by step 3 alone
+    assert ref["frequency"][ref["keys"].tolist().index(k)] == 1
+    assert not np.allclose(at(ref, k), at(kept, k))
