@@ -58,7 +58,7 @@ clean:
 # Bazel, offline (docs/building.md): Debian's bazel-bootstrap (Bazel 4.2.3) is installed when no
 # bazel is on PATH; @local_config_tf takes TensorFlow from the venv. The libraries land in
 # bazel-bin/custom_ops/<area>/_<area>_ops.so, where tf_gba's loader looks.
-.PHONY: bazel-install bazel-build bazel-test cuda-build
+.PHONY: bazel-install bazel-build bazel-test cuda-build gpu-functor-check
 BAZEL ?= bazel
 BAZEL_ARGS ?=
 SUDO ?= $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -79,3 +79,8 @@ bazel-test: $(STAMP) bazel-install
 # CPU build in place stays as it is. Use them with TF_GBA_OPS_DIR=build/cuda/tf_gba/ops.
 cuda-build: $(STAMP)
 	TF_NEED_CUDA=1 $(PY) setup.py -q build_ext --build-lib build/cuda
+
+# The GBA buffers' GPU functors against host references, as a program that needs only the CUDA
+# driver (no TensorFlow): build/gpu_check/buffer_functors_gpu_check [--time] on any GPU machine.
+gpu-functor-check: $(STAMP)
+	$(PY) setup.py -q build_gpu_check
