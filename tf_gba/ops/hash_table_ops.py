@@ -44,7 +44,8 @@ loader.no_gradient(
     "GBA>HashTableCreate", "GBA>HashTableLookup", "GBA>HashTableFind", "GBA>HashTableApply",
     "GBA>HashTableSize", "GBA>HashTableExport", "GBA>HashTableImport", "GBA>HashKeyShard",
     "GBA>HashBufferPush", "GBA>HashTableEvict", "GBA>HashTableCounters",
-    "GBA>HashTableExportFilter", "GBA>HashTableImportFilter")
+    "GBA>HashTableExportFilter", "GBA>HashTableImportFilter", "GBA>HashTableExportDelta",
+    "GBA>HashTableImportDelta", "GBA>HashTableTrackChanges")
 
 
 def _ops():
@@ -197,11 +198,42 @@ class HashTableShard(tf.saved_model.experimental.TrackableResource):
                                           *[rows[f] for f in EXPORT_FIELDS], *pending)
 
 
+  def export_delta(self, since) -> Dict[str, tf.Tensor]:
+    """The rows changed after write number `since` (every row for since < 0; EXPORT_FIELDS),
+    all pending counts (PENDING_FIELDS), `deleted_keys` (removed after `since`, known once
+    `track_changes` was called) and `sequence`, the table's current write number."""
+    with tf.device(self._resource_device):
+      out = _ops().gba_hash_table_export_delta(self.resource_handle, tf.cast(since, tf.int64))
+    return dict(zip(EXPORT_FIELDS + PENDING_FIELDS + (DELETED_FIELD, "sequence"), out))
+
+  def import_delta(self, rows: Dict[str, tf.Tensor], replace) -> tf.Operation:
+    """replace (bool): `import_rows(rows)`; otherwise inserts or overwrites `rows`, removes
+    `rows["deleted_keys"]` and replaces the pending counts."""
+    pending = [rows[f] if f in rows else tf.zeros([0], tf.int64) for f in PENDING_FIELDS]
+    deleted = rows.get(DELETED_FIELD, tf.zeros([0], tf.int64))
+    with tf.device(self._resource_device):
+      return _ops().gba_hash_table_import_delta(
+          self.resource_handle, tf.cast(replace, tf.bool), *[rows[f] for f in EXPORT_FIELDS],
+          *pending, deleted)
+
+  def track_changes(self, prune_through=-1) -> tf.Tensor:
+    """Keeps the keys removed from now on (for `export_delta`), forgets those removed at or
+    before write number `prune_through`, and returns the current write number."""
+    with tf.device(self._resource_device):
+      return _ops().gba_hash_table_track_changes(self.resource_handle,
+                                                 tf.cast(prune_through, tf.int64))
+
+
 EXPORT_FIELDS = ("keys", "values", "slots", "tags", "frequency", "last_seen")
 # Admission's keys without a row yet: their training-lookup counts and latest steps.
 PENDING_FIELDS = ("pending_keys", "pending_counts", "pending_last_seen")
 # With an admission filter: its cells, [shards, filter_cells] (one row per shard when saved).
 FILTER_FIELD = "admission_filter"
+# Incremental checkpoints: the keys removed since the checkpoint before, and whether the rows are
+# a delta (1) on top of that checkpoint or the whole table (0).
+DELETED_FIELD = "deleted_keys"
+DELTA_FIELD = "delta"
+_LAST_SEQUENCE = (1 << 63) - 1
 # The order of HashTableShard.counters().
 COUNTER_FIELDS = ("rows", "pending", "admitted", "filtered", "evicted")
 
@@ -232,6 +264,13 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
 
   `eviction_interval`: the GBA optimizer runs `evict` on each shard every that many global steps
   (with `ttl_steps` or `max_rows` set).
+
+  Incremental checkpoints (`enable_incremental_checkpoints`): two more entries, `deleted_keys`
+  and `delta`, and a checkpoint holds either the whole table (`delta` 0, `deleted_keys` empty)
+  or, after `stage_checkpoint(full=False)`, only the rows changed since the checkpoint this table
+  wrote or restored last, with the keys removed since (`delta` 1; pending counts and filters are
+  whole in both). Restoring a delta applies it on top of the table: the full checkpoint and then
+  every delta after it, in order, give the table of the last delta.
   """
 
   def __init__(self, dim: int, devices: Sequence[str] = ("",), seed: int = 0,
@@ -268,6 +307,9 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
     self._dim = int(dim)
     self._seed = int(seed)
     self._name = name
+    self._incremental = False
+    self._base = None     # each shard's write number at the last checkpoint written or restored
+    self._staged = None   # (entries, each shard's write number, full) of the next save
     self._shards = [HashTableShard(dim, device=d, seed=seed, initializer=initializer,
                                    init_a=init_a, init_b=init_b, name=f"{name}_{i}",
                                    min_frequency=min_frequency, ttl_steps=ttl_steps,
@@ -386,7 +428,64 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
     merged = tf.reduce_max(cells, axis=0)
     return tf.group([s.import_filter(merged) for s in self._shards])
 
+  # ---- incremental checkpoints (eager: the runner calls these around each save) ---------------
+  @property
+  def incremental(self) -> bool:
+    return self._incremental
+
+  def enable_incremental_checkpoints(self) -> None:
+    """From now on every shard keeps the keys it removes, and checkpoints carry `deleted_keys`
+    and `delta` (see the class docstring). The first checkpoint after this must be full."""
+    for s in self._shards:
+      s.track_changes(-1)
+    self._incremental = True
+
+  def stage_checkpoint(self, full: bool) -> None:
+    """Exports what the next save writes: every row (full) or the delta since the checkpoint
+    written or restored last. Evicts first. Nothing changes until `checkpoint_written`."""
+    if not self._incremental:
+      raise ValueError("stage_checkpoint needs enable_incremental_checkpoints() first.")
+    if not full and self._base is None:
+      raise ValueError("A delta checkpoint needs a full checkpoint before it (written or "
+                       "restored by this table): stage_checkpoint(full=True) first.")
+    if self.evicts:
+      self.evict()
+    parts = [s.export_delta(-1 if full else base)
+             for s, base in zip(self._shards, self._base or [None] * len(self._shards))]
+    fields = self._checkpoint_fields() + (DELETED_FIELD,)
+    out = {f: tf.concat([p[f] for p in parts], axis=0) for f in fields}
+    out[DELTA_FIELD] = tf.constant(0 if full else 1, tf.int64)
+    if self.admission_filter_cells:
+      out[FILTER_FIELD] = self.export_filters()
+    self._staged = (out, [int(p["sequence"]) for p in parts], bool(full))
+
+  def checkpoint_written(self) -> None:
+    """The staged checkpoint is on disk: the next delta starts from it, and after a full one the
+    shards forget the keys removed before it (no delta needs them any more)."""
+    if self._staged is None:
+      return
+    _, sequences, full = self._staged
+    self._staged = None
+    if full:
+      for s, seq in zip(self._shards, sequences):
+        s.track_changes(seq)
+    self._base = sequences
+
+  def discard_staged_checkpoint(self) -> None:
+    """The staged checkpoint was not written (the save failed): the next delta starts where it
+    would have without it."""
+    self._staged = None
+
+  def checkpoint_restored(self) -> None:
+    """The table holds a checkpoint's rows (a full one and its deltas): the next delta starts
+    from here, and removals before it are forgotten."""
+    self._base = [int(s.track_changes(_LAST_SEQUENCE)) for s in self._shards]
+
   def _serialize_to_tensors(self):
+    if self._incremental:
+      if self._staged is not None:
+        return dict(self._staged[0])
+      return self._serialize_whole_incremental()
     # Rows past their time-to-live or over the budget are not saved (SPEC section 6: eviction
     # runs before every checkpoint).
     with tf.control_dependencies([self.evict()] if self.evicts else []):
@@ -396,10 +495,46 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
         out[FILTER_FIELD] = self.export_filters()
     return out
 
+  def _serialize_whole_incremental(self):
+    """The whole table in the incremental layout, for a save nobody staged (an evaluation
+    snapshot; the names a restore asks for). Writes no write numbers down."""
+    with tf.control_dependencies([self.evict()] if self.evicts else []):
+      parts = [s.export_delta(-1) for s in self._shards]
+      out = {f: tf.concat([p[f] for p in parts], axis=0)
+             for f in self._checkpoint_fields() + (DELETED_FIELD,)}
+      out[DELTA_FIELD] = tf.constant(0, tf.int64)
+      if self.admission_filter_cells:
+        out[FILTER_FIELD] = self.export_filters()
+    return out
+
+  def import_delta(self, rows: Dict[str, tf.Tensor], replace) -> tf.Operation:
+    """Every shard applies the part of `rows` it owns (see HashTableShard.import_delta)."""
+    keys = tf.convert_to_tensor(rows["keys"], tf.int64)
+    _, positions = self.partition(keys)
+    deleted = tf.convert_to_tensor(rows.get(DELETED_FIELD, tf.zeros([0], tf.int64)), tf.int64)
+    deleted_parts, _ = self.partition(deleted)
+    if "pending_keys" in rows:
+      _, pending_positions = self.partition(tf.convert_to_tensor(rows["pending_keys"], tf.int64))
+    else:
+      pending_positions = [None] * len(self._shards)
+    ops = []
+    for shard, pos, ppos, dpart in zip(self._shards, positions, pending_positions,
+                                       deleted_parts):
+      part = {f: tf.gather(rows[f], pos) for f in EXPORT_FIELDS}
+      if ppos is not None:
+        part.update({f: tf.gather(rows[f], ppos) for f in PENDING_FIELDS})
+      part[DELETED_FIELD] = dpart
+      ops.append(shard.import_delta(part, replace))
+    return tf.group(ops)
+
   def _restore_from_tensors(self, restored_tensors):
     restored = dict(restored_tensors)
     filters = restored.pop(FILTER_FIELD, None)
-    ops = [self.import_rows(restored)]
+    delta = restored.pop(DELTA_FIELD, None)
+    if delta is None:
+      ops = [self.import_rows(restored)]
+    else:
+      ops = [self.import_delta(restored, tf.equal(delta, 0))]
     if filters is not None:
       ops.append(self.import_filters(filters))
     return tf.group(ops)

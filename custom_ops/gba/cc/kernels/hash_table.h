@@ -30,6 +30,15 @@
 // when the table grows); the key -> row-number index is an absl::flat_hash_map. All state is
 // private and guarded by one mutex: lookups that insert and applies take it exclusively, find-only
 // lookups, exports and tag reads share it.
+//
+// Incremental checkpoints: every call that changes rows (a training lookup, an apply, a tag
+// write, an eviction, an import) takes the next number of the table's write sequence, and each
+// row keeps the number of its latest change. ExportDelta(since) returns the rows changed after
+// `since`, the keys removed after it and the current number, and changes nothing: an export that
+// is never written loses nothing, the next one starts from the same `since`. Removed keys are
+// kept (as tombstones: key -> number) only once TrackChanges has been called, and TrackChanges
+// drops those at or below the number of the last full checkpoint written, so they never outgrow
+// the keys evicted between two full checkpoints.
 #ifndef TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_HASH_TABLE_H_
 #define TF_GBA_CUSTOM_OPS_GBA_CC_KERNELS_HASH_TABLE_H_
 
@@ -41,6 +50,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "custom_ops/common/kernel_util.h"
 
 namespace tf_gba {
@@ -159,6 +169,7 @@ class HashTable : public ::tensorflow::ResourceBase {
       TF_LOCKS_EXCLUDED(mu_) {
     ::tensorflow::mutex_lock lock(mu_);
     if (step < 0) step = known_step_;
+    ++sequence_;
     for (int64_t i = 0; i < n; ++i) {
       auto it = index_.find(keys[i]);
       int64_t r;
@@ -189,6 +200,7 @@ class HashTable : public ::tensorflow::ResourceBase {
       Meta& m = MetaLocked(r);
       ++m.frequency;
       m.last_seen = step;
+      m.changed = sequence_;
       const float* row = RowLocked(r);
       std::copy(row, row + config_.dim, out + i * config_.dim);
     }
@@ -234,12 +246,19 @@ class HashTable : public ::tensorflow::ResourceBase {
   // eviction on, skipping them: their gradients are filtered by the apply that follows).
   void SetTags(const int64_t* keys, int64_t n, int64_t step) TF_LOCKS_EXCLUDED(mu_) {
     ::tensorflow::mutex_lock lock(mu_);
+    ++sequence_;
     for (int64_t i = 0; i < n; ++i) {
       if (config_.drops_missing()) {
         auto it = index_.find(keys[i]);
-        if (it != index_.end()) MetaLocked(it->second).last_step = step;
+        if (it != index_.end()) {
+          Meta& m = MetaLocked(it->second);
+          m.last_step = step;
+          m.changed = sequence_;
+        }
       } else {
-        MetaLocked(FindOrInsertLocked(keys[i])).last_step = step;
+        Meta& m = MetaLocked(FindOrInsertLocked(keys[i]));
+        m.last_step = step;
+        m.changed = sequence_;
       }
     }
   }
@@ -275,7 +294,7 @@ class HashTable : public ::tensorflow::ResourceBase {
   }
 
   // Bytes the table holds: row blocks (value and slots), per-row tags and counters, and the
-  // slots and control bytes of the key index and of the pending counts.
+  // slots and control bytes of the key index, of the pending counts and of the tombstones.
   int64_t AllocatedBytes() const TF_LOCKS_EXCLUDED(mu_) {
     ::tensorflow::tf_shared_lock lock(mu_);
     const int64_t per_block = kBlockRows * (row_floats_ * sizeof(float) + sizeof(Meta));
@@ -284,7 +303,9 @@ class HashTable : public ::tensorflow::ResourceBase {
                           (sizeof(std::pair<const int64_t, int64_t>) + 1);
     const int64_t pending = static_cast<int64_t>(pending_.capacity()) *
                             (sizeof(std::pair<const int64_t, Pending>) + 1);
-    return static_cast<int64_t>(blocks_.size()) * per_block + index + pending +
+    const int64_t tombstones = static_cast<int64_t>(tombstones_.capacity()) *
+                               (sizeof(std::pair<const int64_t, int64_t>) + 1);
+    return static_cast<int64_t>(blocks_.size()) * per_block + index + pending + tombstones +
            static_cast<int64_t>(filter_.capacity());
   }
 
@@ -314,6 +335,35 @@ class HashTable : public ::tensorflow::ResourceBase {
   // them. Returns an error, leaving the table as it was, when a key appears twice.
   Status Import(const Snapshot& s, int64_t num_slots) TF_LOCKS_EXCLUDED(mu_);
 
+  // The rows changed after write number `since` (all rows with since < 0; any order), the
+  // pending counts (all of them: they are not numbered), the keys removed after `since` (known
+  // once TrackChanges was called) and the current write number. Changes nothing.
+  void ExportDelta(int64_t since, Snapshot* s, std::vector<int64_t>* deleted, int64_t* num_slots,
+                   int64_t* sequence) const TF_LOCKS_EXCLUDED(mu_);
+
+  // Applies a delta on top of the content: inserts or overwrites the rows of `s` (whose slots
+  // must be the table's layout, unless the table is empty), then removes the keys of `deleted`
+  // (absent ones are skipped), and replaces the pending counts with those of `s`. Returns an
+  // error, leaving the table as it was, when a key appears twice or both in `s` and `deleted`.
+  Status ImportDelta(const Snapshot& s, const std::vector<int64_t>& deleted, int64_t num_slots)
+      TF_LOCKS_EXCLUDED(mu_);
+
+  // Starts keeping removed keys (if not yet), forgets those removed at or before write number
+  // `prune_through` (a full checkpoint of that number was written: no delta needs them) and
+  // returns the current write number.
+  int64_t TrackChanges(int64_t prune_through) TF_LOCKS_EXCLUDED(mu_) {
+    ::tensorflow::mutex_lock lock(mu_);
+    tracking_ = true;
+    const size_t before = tombstones_.size();
+    absl::erase_if(tombstones_, [&](const std::pair<const int64_t, int64_t>& t) {
+      return t.second <= prune_through;
+    });
+    if (tombstones_.size() < before && tombstones_.size() * 4 < tombstones_.capacity()) {
+      tombstones_.rehash(0);
+    }
+    return sequence_;
+  }
+
  private:
   // Rows per block: 16K rows of dim 64 with Adam's two slots are 12 MiB.
   static constexpr int64_t kBlockShift = 14;
@@ -323,6 +373,7 @@ class HashTable : public ::tensorflow::ResourceBase {
     int64_t last_step;
     int64_t frequency;
     int64_t last_seen;
+    int64_t changed;  // the write number of the row's latest change
   };
   struct Pending {
     int64_t count;
@@ -352,7 +403,7 @@ class HashTable : public ::tensorflow::ResourceBase {
     float* row = RowLocked(r);
     config_.InitialRow(key, row);
     std::fill(row + config_.dim, row + row_floats_, SlotInitLocked());
-    MetaLocked(r) = Meta{-1, 0, -1};
+    MetaLocked(r) = Meta{-1, 0, -1, sequence_};
     return r;
   }
 
@@ -398,9 +449,20 @@ class HashTable : public ::tensorflow::ResourceBase {
   int64_t InsertLocked(int64_t key) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const int64_t r = AppendLocked(key);
     index_.emplace(key, r);
+    if (tracking_) tombstones_.erase(key);  // back again: a delta holds its row, not a removal
     ++admitted_;
     return r;
   }
+
+  // Removes the rows with drop[r] set (keys[r]: row r's key), compacting the survivors in their
+  // order and freeing the tail blocks; `removed` (may be null) receives the rows removed, and
+  // the tombstones (when tracking) their keys. Returns the number removed.
+  int64_t RemoveRowsLocked(const std::vector<char>& drop, const std::vector<int64_t>& keys,
+                           bool tombstones, Evicted* removed) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Checks the keys and pending keys of a snapshot to import: each at most once, none also in
+  // `deleted`, pending keys without rows.
+  Status CheckImportKeys(const Snapshot& s, const std::vector<int64_t>& deleted) const;
 
   int64_t FindOrInsertLocked(int64_t key) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = index_.find(key);
@@ -426,6 +488,11 @@ class HashTable : public ::tensorflow::ResourceBase {
   int64_t admitted_ TF_GUARDED_BY(mu_) = 0;  // rows created by lookups, applies, tag writes
   int64_t filtered_ TF_GUARDED_BY(mu_) = 0;  // gradient rows dropped: their key had no row
   int64_t evicted_ TF_GUARDED_BY(mu_) = 0;   // rows removed by Evict
+  // Incremental checkpoints (see the top of this file): the number of the latest change, whether
+  // removed keys are kept, and those kept (key -> number of its removal).
+  int64_t sequence_ TF_GUARDED_BY(mu_) = 0;
+  bool tracking_ TF_GUARDED_BY(mu_) = false;
+  absl::flat_hash_map<int64_t, int64_t> tombstones_ TF_GUARDED_BY(mu_);
 };
 
 }  // namespace tf_gba

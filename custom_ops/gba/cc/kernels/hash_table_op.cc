@@ -1,6 +1,6 @@
 // Kernels of the expandable hash embedding table (hash_table.h): create, training and find-only
 // lookups, the fused SGD / Adagrad / LazyAdam apply, size, eviction, counters, export and
-// import, and the shard of a key. CPU only: the table is a parameter server's state, read and
+// import (whole, or the delta of an incremental checkpoint), and the shard of a key. CPU only: the table is a parameter server's state, read and
 // written by the host.
 #include <algorithm>
 #include <cmath>
@@ -53,6 +53,7 @@ void HashTable::Apply(const int64_t* keys, const float* grads, int64_t n,
     RelayoutLocked(a.optimizer, a.initial_accumulator);
   }
   known_step_ = std::max(known_step_, a.iteration + 1);
+  ++sequence_;
   for (size_t u = 0; u < unique_keys.size(); ++u) {
     int64_t r;
     if (config_.drops_missing()) {
@@ -65,6 +66,7 @@ void HashTable::Apply(const int64_t* keys, const float* grads, int64_t n,
     } else {
       r = FindOrInsertLocked(unique_keys[u]);
     }
+    MetaLocked(r).changed = sequence_;
     float* row = RowLocked(r);
     const float* g = sum.data() + u * dim;
     switch (a.optimizer) {
@@ -111,6 +113,7 @@ void HashTable::RelayoutLocked(HashOptimizer optimizer, float initial_accumulato
       float* to = nb.floats.get() + i * row_floats_;
       std::copy(from, from + dim, to);
       std::fill(to + dim, to + row_floats_, slot_init);
+      nb.meta[i].changed = sequence_;  // slots restarted: a delta holds the row
     }
     old[b].floats.reset();
     blocks_.push_back(std::move(nb));
@@ -120,7 +123,8 @@ void HashTable::RelayoutLocked(HashOptimizer optimizer, float initial_accumulato
 int64_t HashTable::Evict(int64_t step, Evicted* removed) {
   ::tensorflow::mutex_lock lock(mu_);
   if (step < 0) step = known_step_;
-  const int64_t n = num_rows_, dim = config_.dim;
+  ++sequence_;
+  const int64_t n = num_rows_;
   std::vector<int64_t> keys(n);
   for (const auto& kv : index_) keys[kv.second] = kv.first;
   std::vector<char> drop(n, 0);
@@ -162,10 +166,21 @@ int64_t HashTable::Evict(int64_t step, Evicted* removed) {
     ReleaseFreedMemory();  // the key index's old slots after a growth, the pending counts'
     return 0;
   }
+  const int64_t gone = RemoveRowsLocked(drop, keys, /*tombstones=*/true, removed);
+  evicted_ += gone;
+  ReleaseFreedMemory();
+  return gone;
+}
+
+int64_t HashTable::RemoveRowsLocked(const std::vector<char>& drop,
+                                    const std::vector<int64_t>& keys, bool tombstones,
+                                    Evicted* removed) {
+  const int64_t n = num_rows_, dim = config_.dim;
   // Compaction in row order: survivors keep their relative order, the freed tail blocks go.
   int64_t w = 0;
   for (int64_t r = 0; r < n; ++r) {
     if (drop[r]) {
+      if (tombstones && tracking_) tombstones_[keys[r]] = sequence_;
       if (removed != nullptr) {
         removed->keys.push_back(keys[r]);
         removed->frequency.push_back(MetaLocked(r).frequency);
@@ -186,8 +201,6 @@ int64_t HashTable::Evict(int64_t step, Evicted* removed) {
   num_rows_ = w;
   blocks_.resize((w + kBlockRows - 1) >> kBlockShift);
   if (index_.size() * 4 < index_.capacity()) index_.rehash(0);
-  evicted_ += n - w;
-  ReleaseFreedMemory();
   return n - w;
 }
 
@@ -221,34 +234,53 @@ void HashTable::Export(Snapshot* s, int64_t* num_slots) const {
   }
 }
 
-Status HashTable::Import(const Snapshot& s, int64_t num_slots) {
+Status HashTable::CheckImportKeys(const Snapshot& s, const std::vector<int64_t>& deleted) const {
   const int64_t n = static_cast<int64_t>(s.keys.size());
-  absl::flat_hash_map<int64_t, int64_t> index;
-  index.reserve(n);
+  absl::flat_hash_set<int64_t> seen;
+  seen.reserve(n + s.pending_keys.size());
   for (int64_t i = 0; i < n; ++i) {
-    if (!index.emplace(s.keys[i], i).second) {
+    if (!seen.insert(s.keys[i]).second) {
       return errors::InvalidArgument("keys[", i, "] = ", s.keys[i],
                                      " appears twice in the rows to import into ", DebugString(),
                                      ".");
     }
   }
-  absl::flat_hash_map<int64_t, Pending> pending;
-  pending.reserve(s.pending_keys.size());
+  for (size_t i = 0; i < deleted.size(); ++i) {
+    if (seen.contains(deleted[i])) {
+      return errors::InvalidArgument("deleted_keys[", i, "] = ", deleted[i],
+                                     " also has a row in the delta to import into ",
+                                     DebugString(), ".");
+    }
+  }
   for (size_t i = 0; i < s.pending_keys.size(); ++i) {
-    const int64_t key = s.pending_keys[i];
-    if (index.contains(key) ||
-        !pending.emplace(key, Pending{s.pending_counts[i], s.pending_last_seen[i]}).second) {
-      return errors::InvalidArgument("pending_keys[", i, "] = ", key,
+    if (!seen.insert(s.pending_keys[i]).second) {
+      return errors::InvalidArgument("pending_keys[", i, "] = ", s.pending_keys[i],
                                      " appears twice, or also has a row, in the rows to import "
                                      "into ", DebugString(), ".");
     }
   }
+  return ::tensorflow::OkStatus();
+}
+
+Status HashTable::Import(const Snapshot& s, int64_t num_slots) {
+  const int64_t n = static_cast<int64_t>(s.keys.size());
+  TF_RETURN_IF_ERROR(CheckImportKeys(s, {}));
   if (num_slots < 0 || num_slots > 2) {
     return errors::InvalidArgument("Rows have 0 (SGD), 1 (Adagrad) or 2 (Adam) slots, got ",
                                    num_slots, ".");
   }
+  absl::flat_hash_map<int64_t, int64_t> index;
+  index.reserve(n);
+  for (int64_t i = 0; i < n; ++i) index.emplace(s.keys[i], i);
+  absl::flat_hash_map<int64_t, Pending> pending;
+  pending.reserve(s.pending_keys.size());
+  for (size_t i = 0; i < s.pending_keys.size(); ++i) {
+    pending.emplace(s.pending_keys[i], Pending{s.pending_counts[i], s.pending_last_seen[i]});
+  }
   const int64_t dim = config_.dim, slots = num_slots;
   ::tensorflow::mutex_lock lock(mu_);
+  ++sequence_;
+  tombstones_.clear();  // the content is the snapshot's: no removal before it matters
   index_.swap(index);
   pending_.swap(pending);
   blocks_.clear();
@@ -262,8 +294,92 @@ Status HashTable::Import(const Snapshot& s, int64_t num_slots) {
     std::copy(s.values.data() + i * dim, s.values.data() + (i + 1) * dim, row);
     std::copy(s.slots.data() + i * slots * dim, s.slots.data() + (i + 1) * slots * dim,
               row + dim);
-    MetaLocked(r) = Meta{s.tags[i], s.frequency[i], s.last_seen[i]};
+    MetaLocked(r) = Meta{s.tags[i], s.frequency[i], s.last_seen[i], sequence_};
     known_step_ = std::max({known_step_, s.tags[i] + 1, s.last_seen[i]});
+  }
+  return ::tensorflow::OkStatus();
+}
+
+void HashTable::ExportDelta(int64_t since, Snapshot* s, std::vector<int64_t>* deleted,
+                            int64_t* num_slots, int64_t* sequence) const {
+  ::tensorflow::tf_shared_lock lock(mu_);
+  const int64_t dim = config_.dim, slots = NumSlots(optimizer_);
+  *num_slots = slots;
+  *sequence = sequence_;
+  for (const auto& kv : index_) {
+    const int64_t r = kv.second;
+    const Meta& m = MetaLocked(r);
+    if (m.changed <= since) continue;
+    s->keys.push_back(kv.first);
+    const float* row = RowLocked(r);
+    s->values.insert(s->values.end(), row, row + dim);
+    s->slots.insert(s->slots.end(), row + dim, row + row_floats_);
+    s->tags.push_back(m.last_step);
+    s->frequency.push_back(m.frequency);
+    s->last_seen.push_back(m.last_seen);
+  }
+  for (const auto& kv : pending_) {
+    s->pending_keys.push_back(kv.first);
+    s->pending_counts.push_back(kv.second.count);
+    s->pending_last_seen.push_back(kv.second.last_seen);
+  }
+  for (const auto& t : tombstones_) {
+    if (t.second > since) deleted->push_back(t.first);
+  }
+}
+
+Status HashTable::ImportDelta(const Snapshot& s, const std::vector<int64_t>& deleted,
+                              int64_t num_slots) {
+  TF_RETURN_IF_ERROR(CheckImportKeys(s, deleted));
+  const int64_t n = static_cast<int64_t>(s.keys.size()), dim = config_.dim;
+  ::tensorflow::mutex_lock lock(mu_);
+  if (num_rows_ == 0) {
+    if (num_slots < 0 || num_slots > 2) {
+      return errors::InvalidArgument("Rows have 0 (SGD), 1 (Adagrad) or 2 (Adam) slots, got ",
+                                     num_slots, ".");
+    }
+    blocks_.clear();
+    optimizer_ = static_cast<HashOptimizer>(num_slots);
+    row_floats_ = dim * (1 + num_slots);
+  } else if (n > 0 && num_slots != NumSlots(optimizer_)) {
+    return errors::InvalidArgument(
+        "The delta's rows have ", num_slots, " slots, but the rows of ", DebugString(), " have ",
+        NumSlots(optimizer_), ": restore the full checkpoint the delta follows first.");
+  }
+  ++sequence_;
+  for (int64_t i = 0; i < n; ++i) {
+    auto it = index_.find(s.keys[i]);
+    int64_t r;
+    if (it != index_.end()) {
+      r = it->second;
+    } else {
+      r = AppendLocked(s.keys[i]);
+      index_.emplace(s.keys[i], r);
+    }
+    float* row = RowLocked(r);
+    std::copy(s.values.data() + i * dim, s.values.data() + (i + 1) * dim, row);
+    std::copy(s.slots.data() + i * num_slots * dim, s.slots.data() + (i + 1) * num_slots * dim,
+              row + dim);
+    MetaLocked(r) = Meta{s.tags[i], s.frequency[i], s.last_seen[i], sequence_};
+    known_step_ = std::max({known_step_, s.tags[i] + 1, s.last_seen[i]});
+  }
+  if (!deleted.empty()) {
+    std::vector<int64_t> keys(num_rows_);
+    for (const auto& kv : index_) keys[kv.second] = kv.first;
+    std::vector<char> drop(num_rows_, 0);
+    int64_t any = 0;
+    for (int64_t key : deleted) {
+      auto it = index_.find(key);
+      if (it != index_.end()) {
+        drop[it->second] = 1;
+        ++any;
+      }
+    }
+    if (any > 0) RemoveRowsLocked(drop, keys, /*tombstones=*/false, nullptr);
+  }
+  pending_.clear();
+  for (size_t i = 0; i < s.pending_keys.size(); ++i) {
+    pending_.emplace(s.pending_keys[i], Pending{s.pending_counts[i], s.pending_last_seen[i]});
   }
   return ::tensorflow::OkStatus();
 }
@@ -529,69 +645,153 @@ class HashTableCountersOp : public OpKernel {
   }
 };
 
+// The rows and pending counts of an import, inputs first..first+8 (keys, values, slots, tags,
+// frequency, last_seen, pending_keys, pending_counts, pending_last_seen), checked against the
+// table; *num_slots from the slots' shape.
+Status ReadSnapshot(OpKernelContext* ctx, int first, const HashTable& table,
+                    HashTable::Snapshot* s, int64_t* num_slots) {
+  const Tensor *keys, *values;
+  TF_RETURN_IF_ERROR(ReadKeys(ctx, first, "keys", &keys));
+  const int64_t n = keys->dim_size(0);
+  TF_RETURN_IF_ERROR(ReadRows(ctx, first + 1, "values", n, table, 1, &values));
+  // Slots: [n, num_slots, dim]; SGD's [n, 0, dim] is empty.
+  const Tensor& slots = ctx->input(first + 2);
+  if (!(slots.dims() == 3 && slots.dim_size(0) == n && slots.dim_size(1) <= 2 &&
+        slots.dim_size(2) == table.dim())) {
+    return errors::InvalidArgument("slots must have shape [", n, ", num_slots <= 2, ",
+                                   table.dim(), "] (len(keys), num_slots, dim) for ",
+                                   table.DebugString(), ", got ", slots.shape().DebugString(),
+                                   ".");
+  }
+  *num_slots = slots.dim_size(1);
+  const char* names[] = {"tags", "frequency", "last_seen"};
+  for (int i = 0; i < 3; ++i) {
+    const Tensor& t = ctx->input(first + 3 + i);
+    if (t.shape() != TensorShape({n})) {
+      return errors::InvalidArgument(names[i], " must have shape [", n, "] (len(keys)), got ",
+                                     t.shape().DebugString(), ".");
+    }
+  }
+  auto vec = [](const Tensor& t) {
+    auto v = t.flat<int64_t>();
+    return std::vector<int64_t>(v.data(), v.data() + v.size());
+  };
+  s->keys = vec(*keys);
+  s->tags = vec(ctx->input(first + 3));
+  s->frequency = vec(ctx->input(first + 4));
+  s->last_seen = vec(ctx->input(first + 5));
+  for (int64_t i = 0; i < n; ++i) {
+    if (s->tags[i] < -1) {
+      return errors::InvalidArgument("tags[", i, "] = ", s->tags[i], " must be >= -1.");
+    }
+  }
+  const Tensor* pending_keys;
+  TF_RETURN_IF_ERROR(ReadKeys(ctx, first + 6, "pending_keys", &pending_keys));
+  const int64_t np = pending_keys->dim_size(0);
+  const char* pending_names[] = {"pending_counts", "pending_last_seen"};
+  for (int i = 0; i < 2; ++i) {
+    const Tensor& t = ctx->input(first + 7 + i);
+    if (t.shape() != TensorShape({np})) {
+      return errors::InvalidArgument(pending_names[i], " must have shape [", np,
+                                     "] (len(pending_keys)), got ", t.shape().DebugString(), ".");
+    }
+  }
+  s->pending_keys = vec(*pending_keys);
+  s->pending_counts = vec(ctx->input(first + 7));
+  s->pending_last_seen = vec(ctx->input(first + 8));
+  for (int64_t i = 0; i < np; ++i) {
+    if (s->pending_counts[i] < 1) {
+      return errors::InvalidArgument("pending_counts[", i, "] = ", s->pending_counts[i],
+                                     " must be >= 1.");
+    }
+  }
+  auto fv = values->flat<float>();
+  s->values.assign(fv.data(), fv.data() + fv.size());
+  auto sv = slots.flat<float>();
+  s->slots.assign(sv.data(), sv.data() + sv.size());
+  return ::tensorflow::OkStatus();
+}
+
 class HashTableImportOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<HashTable> table;
     OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "hash table", &table));
-    const Tensor *keys, *values, *slots;
-    OP_REQUIRES_OK(ctx, ReadKeys(ctx, 1, "keys", &keys));
-    const int64_t n = keys->dim_size(0);
-    OP_REQUIRES_OK(ctx, ReadRows(ctx, 2, "values", n, *table, 1, &values));
-    // Slots: [n, num_slots, dim]; SGD's [n, 0, dim] is empty.
-    const Tensor& slot_t = ctx->input(3);
-    OP_REQUIRES(ctx, slot_t.dims() == 3 && slot_t.dim_size(0) == n &&
-                         slot_t.dim_size(1) <= 2 && slot_t.dim_size(2) == table->dim(),
-                errors::InvalidArgument("slots must have shape [", n, ", num_slots <= 2, ",
-                                        table->dim(), "] (len(keys), num_slots, dim) for ",
-                                        table->DebugString(), ", got ",
-                                        slot_t.shape().DebugString(), "."));
-    slots = &slot_t;
-    const char* names[] = {"tags", "frequency", "last_seen"};
-    for (int i = 0; i < 3; ++i) {
-      const Tensor& t = ctx->input(4 + i);
-      OP_REQUIRES(ctx, t.shape() == TensorShape({n}),
-                  errors::InvalidArgument(names[i], " must have shape [", n, "] (len(keys)), got ",
-                                          t.shape().DebugString(), "."));
-    }
     HashTable::Snapshot s;
-    auto vec = [](const Tensor& t) {
-      auto v = t.flat<int64_t>();
-      return std::vector<int64_t>(v.data(), v.data() + v.size());
-    };
-    s.keys = vec(*keys);
-    s.tags = vec(ctx->input(4));
-    s.frequency = vec(ctx->input(5));
-    s.last_seen = vec(ctx->input(6));
-    for (int64_t i = 0; i < n; ++i) {
-      OP_REQUIRES(ctx, s.tags[i] >= -1,
-                  errors::InvalidArgument("tags[", i, "] = ", s.tags[i], " must be >= -1."));
+    int64_t num_slots;
+    OP_REQUIRES_OK(ctx, ReadSnapshot(ctx, 1, *table, &s, &num_slots));
+    OP_REQUIRES_OK(ctx, table->Import(s, num_slots));
+  }
+};
+
+class HashTableExportDeltaOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HashTable> table;
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "hash table", &table));
+    int64_t since, num_slots, sequence;
+    OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 1, "since", &since));
+    HashTable::Snapshot s;
+    std::vector<int64_t> deleted;
+    table->ExportDelta(since, &s, &deleted, &num_slots, &sequence);
+    const int64_t n = static_cast<int64_t>(s.keys.size()), dim = table->dim();
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 0, TensorShape({n}), s.keys));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 1, TensorShape({n, dim}), s.values));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 2, TensorShape({n, num_slots, dim}), s.slots));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 3, TensorShape({n}), s.tags));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 4, TensorShape({n}), s.frequency));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 5, TensorShape({n}), s.last_seen));
+    const int64_t np = static_cast<int64_t>(s.pending_keys.size());
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 6, TensorShape({np}), s.pending_keys));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 7, TensorShape({np}), s.pending_counts));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 8, TensorShape({np}), s.pending_last_seen));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 9, TensorShape({static_cast<int64_t>(deleted.size())}),
+                                deleted));
+    OP_REQUIRES_OK(ctx, CopyOut(ctx, 10, TensorShape({}), std::vector<int64_t>{sequence}));
+  }
+};
+
+class HashTableImportDeltaOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HashTable> table;
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "hash table", &table));
+    const Tensor& replace = ctx->input(1);
+    OP_REQUIRES(ctx, ::tensorflow::TensorShapeUtils::IsScalar(replace.shape()),
+                errors::InvalidArgument("replace must be a scalar bool, got shape ",
+                                        replace.shape().DebugString(), "."));
+    HashTable::Snapshot s;
+    int64_t num_slots;
+    OP_REQUIRES_OK(ctx, ReadSnapshot(ctx, 2, *table, &s, &num_slots));
+    const Tensor* deleted;
+    OP_REQUIRES_OK(ctx, ReadKeys(ctx, 11, "deleted_keys", &deleted));
+    auto d = deleted->vec<int64_t>();
+    const std::vector<int64_t> deleted_keys(d.data(), d.data() + d.size());
+    if (replace.scalar<bool>()()) {
+      OP_REQUIRES(ctx, deleted_keys.empty(),
+                  errors::InvalidArgument("A full import (replace = true) takes no deleted_keys, "
+                                          "got ", deleted_keys.size(), "."));
+      OP_REQUIRES_OK(ctx, table->Import(s, num_slots));
+    } else {
+      OP_REQUIRES_OK(ctx, table->ImportDelta(s, deleted_keys, num_slots));
     }
-    const Tensor* pending_keys;
-    OP_REQUIRES_OK(ctx, ReadKeys(ctx, 7, "pending_keys", &pending_keys));
-    const int64_t np = pending_keys->dim_size(0);
-    const char* pending_names[] = {"pending_counts", "pending_last_seen"};
-    for (int i = 0; i < 2; ++i) {
-      const Tensor& t = ctx->input(8 + i);
-      OP_REQUIRES(ctx, t.shape() == TensorShape({np}),
-                  errors::InvalidArgument(pending_names[i], " must have shape [", np,
-                                          "] (len(pending_keys)), got ", t.shape().DebugString(),
-                                          "."));
-    }
-    s.pending_keys = vec(*pending_keys);
-    s.pending_counts = vec(ctx->input(8));
-    s.pending_last_seen = vec(ctx->input(9));
-    for (int64_t i = 0; i < np; ++i) {
-      OP_REQUIRES(ctx, s.pending_counts[i] >= 1,
-                  errors::InvalidArgument("pending_counts[", i, "] = ", s.pending_counts[i],
-                                          " must be >= 1."));
-    }
-    auto fv = values->flat<float>();
-    s.values.assign(fv.data(), fv.data() + fv.size());
-    auto sv = slots->flat<float>();
-    s.slots.assign(sv.data(), sv.data() + sv.size());
-    OP_REQUIRES_OK(ctx, table->Import(s, slot_t.dim_size(1)));
+  }
+};
+
+class HashTableTrackChangesOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<HashTable> table;
+    OP_REQUIRES_OK(ctx, LookupScalarHandle(ctx, 0, "hash table", &table));
+    int64_t prune_through;
+    OP_REQUIRES_OK(ctx, ReadScalarInt64(ctx, 1, "prune_through", &prune_through));
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = table->TrackChanges(prune_through);
   }
 };
 
@@ -657,6 +857,12 @@ REGISTER_KERNEL_BUILDER(Name("GBA>HashTableExport").Device(::tensorflow::DEVICE_
                         HashTableExportOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>HashTableImport").Device(::tensorflow::DEVICE_CPU),
                         HashTableImportOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>HashTableExportDelta").Device(::tensorflow::DEVICE_CPU),
+                        HashTableExportDeltaOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>HashTableImportDelta").Device(::tensorflow::DEVICE_CPU),
+                        HashTableImportDeltaOp);
+REGISTER_KERNEL_BUILDER(Name("GBA>HashTableTrackChanges").Device(::tensorflow::DEVICE_CPU),
+                        HashTableTrackChangesOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>HashTableEvict").Device(::tensorflow::DEVICE_CPU),
                         HashTableEvictOp);
 REGISTER_KERNEL_BUILDER(Name("GBA>HashTableCounters").Device(::tensorflow::DEVICE_CPU),

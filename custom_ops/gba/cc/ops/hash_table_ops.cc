@@ -161,6 +161,87 @@ REGISTER_OP("GBA>HashTableImport")
     .Doc("Replaces the table's content with the given rows and pending counts (a checkpoint "
          "restore).");
 
+REGISTER_OP("GBA>HashTableExportDelta")
+    .Input("handle: resource")
+    .Input("since: int64")
+    .Output("keys: int64")
+    .Output("values: float")
+    .Output("slots: float")
+    .Output("tags: int64")
+    .Output("frequency: int64")
+    .Output("last_seen: int64")
+    .Output("pending_keys: int64")
+    .Output("pending_counts: int64")
+    .Output("pending_last_seen: int64")
+    .Output("deleted_keys: int64")
+    .Output("sequence: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      DimensionHandle n = c->UnknownDim(), np = c->UnknownDim();
+      c->set_output(0, c->Vector(n));
+      c->set_output(1, c->Matrix(n, c->UnknownDim()));
+      c->set_output(2, c->MakeShape({n, c->UnknownDim(), c->UnknownDim()}));
+      for (int i = 3; i < 6; ++i) c->set_output(i, c->Vector(n));
+      for (int i = 6; i < 9; ++i) c->set_output(i, c->Vector(np));
+      c->set_output(9, c->Vector(c->UnknownDim()));
+      c->set_output(10, c->Scalar());
+      return ::tensorflow::OkStatus();
+    })
+    .Doc(R"doc(
+The rows changed after the table's write number `since` (every row with since < 0), all pending
+counts, the keys removed after `since` (kept once HashTableTrackChanges was called) and the
+table's current write number, the `since` of the next delta. Changes nothing: an export that is
+never written loses nothing.
+)doc");
+
+REGISTER_OP("GBA>HashTableImportDelta")
+    .Input("handle: resource")
+    .Input("replace: bool")
+    .Input("keys: int64")
+    .Input("values: float")
+    .Input("slots: float")
+    .Input("tags: int64")
+    .Input("frequency: int64")
+    .Input("last_seen: int64")
+    .Input("pending_keys: int64")
+    .Input("pending_counts: int64")
+    .Input("pending_last_seen: int64")
+    .Input("deleted_keys: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 2, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(8), 1, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(11), 1, &unused));
+      return c->WithRank(c->input(4), 3, &unused);
+    })
+    .Doc(R"doc(
+replace = true: HashTableImport (deleted_keys must be empty). Otherwise applies a delta on top of
+the content: inserts or overwrites the given rows, removes deleted_keys, replaces the pending
+counts.
+)doc");
+
+REGISTER_OP("GBA>HashTableTrackChanges")
+    .Input("handle: resource")
+    .Input("prune_through: int64")
+    .Output("sequence: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      c->set_output(0, c->Scalar());
+      return ::tensorflow::OkStatus();
+    })
+    .Doc(R"doc(
+Keeps the keys the table removes from now on (for HashTableExportDelta), forgets those removed at
+or before write number prune_through (a full checkpoint of that number is written) and outputs
+the current write number.
+)doc");
+
 REGISTER_OP("GBA>HashTableExportFilter")
     .Input("handle: resource")
     .Output("cells: uint8")
