@@ -96,9 +96,9 @@ def budget_stream(stream_keys, stream_steps, repeat_share, shards, dim, optimize
   row_bytes = dim * (1 + hash_table_ops.NUM_SLOTS[optimizer]) * 4
   block_rows = 16384
   per_shard = -(-max_rows // shards)
-  # A table of max_rows rows: whole blocks per shard (row floats, 24 B of tag and counters) and a
-  # key index of 17 B slots at its emptiest load, 7/16.
-  budget_bytes = (shards * -(-per_shard // block_rows) * block_rows * (row_bytes + 24)
+  # A table of max_rows rows: whole blocks per shard (row floats, 32 B of tag, counters and write
+  # number) and a key index of 17 B slots at its emptiest load, 7/16.
+  budget_bytes = (shards * -(-per_shard // block_rows) * block_rows * (row_bytes + 32)
                   + int(max_rows * 16 / 7 * 17))
   # The filters are allocated with the table, before the baseline below: count them in both.
   filter_bytes = shards * admission_filter_cells

@@ -154,6 +154,10 @@ def define_flags() -> None:
   flags.DEFINE_float("checkpoint_every_secs", 0.0,
                      "Also write a checkpoint every S seconds during training (0: off).")
   flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept in model_dir (the newest).")
+  flags.DEFINE_integer("full_checkpoint_every", 1,
+                       "--embedding=hash: every K-th periodic checkpoint (and the last) is full; "
+                       "the others hold only the table rows changed since the checkpoint before "
+                       "and the keys removed, in model_dir/deltas/ (1: every checkpoint full).")
   flags.DEFINE_string("export_dir", None,
                       "Where the run's serving SavedModel goes, after the final checkpoint, as "
                       "<export_dir>/<global step> (default <model_dir>/export; empty: none). "

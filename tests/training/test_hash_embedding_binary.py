@@ -28,7 +28,7 @@ STEPS = 40
 FIELDS = 26
 ADAM_SLOTS = 2    # m and v
 BLOCK_ROWS = 16384  # rows per block of the table (hash_table.h)
-ROW_META = 24     # a row's tag, frequency and last_seen (int64 each)
+ROW_META = 32     # a row's tag, frequency, last_seen and latest write number (int64 each)
 INDEX_SLOT = 17   # a key index slot: (int64 key, int64 row) and one control byte
 
 

@@ -80,6 +80,9 @@ class TrainConfig:
   checkpoint_every_steps: int = 0
   checkpoint_every_secs: float = 0.0
   keep_checkpoints: int = 3
+  # --embedding=hash: every K-th periodic checkpoint (and the last) is full, the others hold only
+  # the table rows changed since the checkpoint before (tf_gba.training.delta_checkpoints).
+  full_checkpoint_every: int = 1
   # The serving SavedModel written at the end of a run (`tf_gba.training.export`): None
   # `<model_dir>/export`, "" none.
   export_dir: Optional[str] = None
@@ -258,6 +261,17 @@ class TrainConfig:
                        f"{self.checkpoint_every_secs}.")
     if self.keep_checkpoints < 1:
       raise ValueError(f"--keep_checkpoints must be >= 1, got {self.keep_checkpoints}.")
+    if self.full_checkpoint_every < 1:
+      raise ValueError(f"--full_checkpoint_every must be >= 1 (1: every checkpoint full), got "
+                       f"{self.full_checkpoint_every}.")
+    if self.full_checkpoint_every > 1 and self.embedding != "hash":
+      raise ValueError(f"--full_checkpoint_every={self.full_checkpoint_every} writes hash-table "
+                       "deltas between full checkpoints: it needs --embedding=hash (with "
+                       f"--embedding={self.embedding} every checkpoint is full; drop the flag).")
+    if (self.full_checkpoint_every > 1 and not self.checkpoint_every_steps
+        and not self.checkpoint_every_secs):
+      raise ValueError(f"--full_checkpoint_every={self.full_checkpoint_every} counts periodic "
+                       "checkpoints: set --checkpoint_every_steps or --checkpoint_every_secs.")
     if self.eval_examples < 1:
       raise ValueError(f"--eval_examples must be >= 1, got {self.eval_examples}.")
     if self.day is not None and self.day < 0:

@@ -175,12 +175,13 @@ def _baseline_global_batch(config) -> int:
 
 # Flags of every mode but DTS (whose job has none of these): stragglers, periodic checkpoints and
 # the next-day evaluation. PS_FLAGS adds the parameter-server modes' own: the shared data list, the
-# buffers' embedding divisor, the coordinator's restarts and where a straggler sleeps (before or
-# after its push).
+# buffers' embedding divisor, the coordinator's restarts, where a straggler sleeps (before or
+# after its push) and the hash tables' delta checkpoints.
 _COMMON = frozenset({"stragglers", "straggler_seed", "checkpoint_every_steps",
                      "checkpoint_every_secs", "keep_checkpoints", "eval_day"})
 PS_FLAGS = _COMMON | {"input", "tfdata_workers", "tfdata_dispatcher", "stall_timeout_s",
-                      "sparse_normalize", "max_restarts", "straggler_delay"}
+                      "sparse_normalize", "max_restarts", "straggler_delay",
+                      "full_checkpoint_every"}
 _HOP_SUMMARY = ("blocked_seconds", "max_lead", "ignored_gradients")
 _PS_RUN = lazy("tf_gba.training.runner:run_parameter_server")
 

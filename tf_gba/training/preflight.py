@@ -302,6 +302,8 @@ def restore_mismatch_message(config: TrainConfig, error: Exception) -> str:
 _UNREADABLE = (tf.errors.DataLossError, tf.errors.OutOfRangeError, tf.errors.NotFoundError,
                tf.errors.InvalidArgumentError, tf.errors.FailedPreconditionError,
                FileNotFoundError, IndexError, message_lib.DecodeError)
+# Errors of a checkpoint that does not read back whole (a cut-short write).
+UNREADABLE = _UNREADABLE
 
 
 def checkpoints_newest_first(model_dir: str) -> List[str]:

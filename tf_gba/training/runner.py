@@ -30,6 +30,7 @@ from tf_gba.optimizers import GBA
 from tf_gba.common import interrupt
 from tf_gba.common import metrics
 from tf_gba.training import config as config_lib
+from tf_gba.training import delta_checkpoints
 from tf_gba.training import export as export_lib
 from tf_gba.training import hash_tables
 from tf_gba.training import mode_registry
@@ -210,7 +211,7 @@ class PeriodicCheckpoint(keras.callbacks.Callback):
     if steps >= self._job.total_steps:
       return  # the run's last checkpoint follows
     if self._schedule.due(steps):
-      self.saved.append(self._job.save_checkpoint())
+      self.saved.append(self._job.save_checkpoint(periodic=True))
       self._schedule.written(steps)
 
 
@@ -254,12 +255,30 @@ class _Job:
     self.checkpoint = tf.train.Checkpoint(model=self.model)
     self.manager = tf.train.CheckpointManager(self.checkpoint, config.model_dir,
                                               max_to_keep=config.keep_checkpoints)
+    # --full_checkpoint_every=K > 1: the hash tables write deltas between full checkpoints
+    # (tf_gba.training.delta_checkpoints); periodic checkpoints since the last full one.
+    self.delta_tables = (delta_checkpoints.tables(self.model)
+                         if config.full_checkpoint_every > 1 else [])
+    for table in self.delta_tables:
+      table.enable_incremental_checkpoints()
+    self.latest_full = None
+    self.latest_delta = None
+    self._since_full = 0
     # Whatever mode and shard count wrote it (sync: every variable whole; another number of
     # parameter servers): parameters, slots, iterations, GBA tokens and row tags carry over. A
     # truncated newest checkpoint is passed over for the one before it.
     try:
       self.restored_from, self.skipped_checkpoints = preflight.restore_latest_usable(
           config.model_dir, lambda path: self._restore(strategy, path), _log)
+      if self.restored_from and self.delta_tables:
+        # The full checkpoint, then every delta after it: the newest state written.
+        self.latest_full = self.restored_from
+        self.latest_delta = delta_checkpoints.restore_deltas(
+            config.model_dir, self.restored_from, lambda path: self._restore(strategy, path),
+            preflight.UNREADABLE, _log)
+        self.restored_from = self.latest_delta or self.restored_from
+        for table in self.delta_tables:
+          table.checkpoint_restored()
     except resharding.CheckpointMismatchError as e:
       raise preflight.InputError(preflight.restore_mismatch_message(config, e)) from None
     self.straggler_position = self._track_straggler_position(strategy)
@@ -341,9 +360,11 @@ class _Job:
       return None
     return seen.astype(np.int64)
 
-  def save_checkpoint(self) -> str:
+  def save_checkpoint(self, periodic: bool = False) -> str:
     """Writes a checkpoint numbered by global step (atomic: see PeriodicCheckpoint), once every
-    step scheduled has finished."""
+    step scheduled has finished. With hash-table deltas (--full_checkpoint_every=K), a periodic
+    one is a delta unless it is the K-th since the last full one (or there is none yet); the
+    run's last one is full."""
     if self.pipeline is not None:
       self.pipeline.settle()
     if self.shared_input is not None and getattr(self, "data_position", None) is not None:
@@ -361,9 +382,23 @@ class _Job:
     latest = self.manager.latest_checkpoint
     if latest and latest.endswith(f"-{step}"):
       return latest  # nothing new since the last one
-    # Numbered by global step: a resumed run adds a checkpoint instead of overwriting ckpt-1 (the
-    # save counter starts at 0 in every process).
-    return self.manager.save(checkpoint_number=step)
+    if not self.delta_tables:
+      # Numbered by global step: a resumed run adds a checkpoint instead of overwriting ckpt-1
+      # (the save counter starts at 0 in every process).
+      return self.manager.save(checkpoint_number=step)
+    if (periodic and self.latest_full is not None
+        and self._since_full + 1 < self.config.full_checkpoint_every):
+      if self.latest_delta and self.latest_delta.endswith(f"-{step}"):
+        return self.latest_delta
+      self.latest_delta = delta_checkpoints.write_delta(
+          self.checkpoint, self.delta_tables, self.config.model_dir, self.latest_full, step)
+      self._since_full += 1
+      return self.latest_delta
+    self.latest_full = delta_checkpoints.save_full(self.manager, self.delta_tables,
+                                                   self.config.model_dir, step)
+    self.latest_delta = None
+    self._since_full = 0
+    return self.latest_full
 
   def dataset_fn(self, ctx: Optional[tf.distribute.InputContext]):
     """Worker i of N reads shard i of N of the training rows, as in synchronous training.

@@ -335,9 +335,9 @@ class HashTable : public ::tensorflow::ResourceBase {
   // them. Returns an error, leaving the table as it was, when a key appears twice.
   Status Import(const Snapshot& s, int64_t num_slots) TF_LOCKS_EXCLUDED(mu_);
 
-  // The rows changed after write number `since` (all rows with since < 0; any order), the
-  // pending counts (all of them: they are not numbered), the keys removed after `since` (known
-  // once TrackChanges was called) and the current write number. Changes nothing.
+  // The rows changed after write number `since` (all rows and no removed keys with since < 0;
+  // any order), the pending counts (all of them: they are not numbered), the keys removed after
+  // `since` (known once TrackChanges was called) and the current write number. Changes nothing.
   void ExportDelta(int64_t since, Snapshot* s, std::vector<int64_t>* deleted, int64_t* num_slots,
                    int64_t* sequence) const TF_LOCKS_EXCLUDED(mu_);
 

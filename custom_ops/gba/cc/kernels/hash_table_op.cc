@@ -323,6 +323,7 @@ void HashTable::ExportDelta(int64_t since, Snapshot* s, std::vector<int64_t>* de
     s->pending_counts.push_back(kv.second.count);
     s->pending_last_seen.push_back(kv.second.last_seen);
   }
+  if (since < 0) return;  // every row: nothing before it to remove
   for (const auto& t : tombstones_) {
     if (t.second > since) deleted->push_back(t.first);
   }

@@ -190,10 +190,10 @@ REGISTER_OP("GBA>HashTableExportDelta")
       return ::tensorflow::OkStatus();
     })
     .Doc(R"doc(
-The rows changed after the table's write number `since` (every row with since < 0), all pending
-counts, the keys removed after `since` (kept once HashTableTrackChanges was called) and the
-table's current write number, the `since` of the next delta. Changes nothing: an export that is
-never written loses nothing.
+The rows changed after the table's write number `since` (every row and no removed key with
+since < 0), all pending counts, the keys removed after `since` (kept once HashTableTrackChanges
+was called) and the table's current write number, the `since` of the next delta. It changes
+nothing, so an export that is never written loses nothing.
 )doc");
 
 REGISTER_OP("GBA>HashTableImportDelta")
