@@ -308,6 +308,37 @@ def test_killed_parameter_server_resumes_from_the_last_checkpoint(tmp_path, tmp_
   _check_finished(summary, mode, reference)
 
 
+def test_killed_parameter_server_resumes_from_full_and_hash_table_deltas(tmp_path):
+  """--embedding=hash with --full_checkpoint_every=3: periodic checkpoints at worker steps 40
+  (full), 80 and 120 (deltas of the table), 160 (full). A parameter server killed at step 140
+  takes its table shard with it; the job resumes from the full checkpoint and both deltas, at
+  the last delta's global step: nothing is lost beyond it. (That the table restored equals, row
+  by row, what the delta held is tests/training/test_hash_delta_checkpoints.py's check.)"""
+  model_dir = str(tmp_path / "m")
+  deadline = time.time() + _TIME_LIMIT_S
+  command = _command("gba", model_dir) + ["--embedding=hash", "--full_checkpoint_every=3"]
+  run = _Run("gba", model_dir, command=command)
+  run.wait_for("step 140/", deadline)
+  os.kill(_server(run.proc.pid, "ps", 0), signal.SIGKILL)
+  assert run.finish(deadline) == 0, "".join(run.err)[-3000:]
+  out, err = "".join(run.out), "".join(run.err)
+  assert "ps:0 died or became unreachable" in err and "restarting the job" in err
+  summary = _summary(model_dir)
+  assert [c for c in summary["restart_causes"] if c not in _RUNTIME_CAUSES] == [
+      "ParameterServerLost"], (summary["restart_causes"], out[-3000:], err[-3000:])
+  restored = re.findall(r" restored from (\S+) \(global step (\d+)\)", out)
+  assert restored, out[-3000:]
+  path, step = restored[-1][0], int(restored[-1][1])
+  m = summary["num_aggregate"]
+  # The chain's last delta: worker step 120's, numbered by its global step.
+  assert re.search(rf"/deltas/ckpt-{40 // m}/delta-{step}$", path), (path, step)
+  assert step == 120 // m == summary["start_global_step"]
+  assert summary["target_global_step"] == summary["global_step"] == _STEPS // m
+  # The run's last checkpoint is full, and no delta of an older full one is left.
+  assert os.path.basename(summary["checkpoint"]) == f"ckpt-{_STEPS // m}"
+  assert os.listdir(os.path.join(model_dir, "deltas")) == []
+
+
 @pytest.mark.parametrize("mode", ["gba"])
 def test_killed_coordinator_resumes_when_the_command_is_rerun(tmp_path, tmp_path_factory, mode):
   reference = _undisturbed(mode, tmp_path_factory)

@@ -109,6 +109,10 @@ def _train_subprocess(*args):
     (("--full_checkpoint_every=2", "--embedding=hash"),
      "train.py: error: --full_checkpoint_every=2 counts periodic checkpoints: set "
      "--checkpoint_every_steps or --checkpoint_every_secs."),
+    (("--mode=sync", "--embedding=hash", "--full_checkpoint_every=2",
+      "--checkpoint_every_steps=10"),
+     "train.py: error: --mode=sync does not use --full_checkpoint_every (used by gba, async, bsp, "
+     "hop_bs, hop_bw, async_tuned); drop it."),
     (("--full_checkpoint_every=0",),
      "train.py: error: --full_checkpoint_every must be >= 1 (1: every checkpoint full), got 0."),
 ])

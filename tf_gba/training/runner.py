@@ -270,8 +270,9 @@ class _Job:
     try:
       self.restored_from, self.skipped_checkpoints = preflight.restore_latest_usable(
           config.model_dir, lambda path: self._restore(strategy, path), _log)
-      if self.restored_from and self.delta_tables:
-        # The full checkpoint, then every delta after it: the newest state written.
+      if self.restored_from:
+        # The full checkpoint, then every delta after it: the newest state written (also when
+        # this run writes full checkpoints only: a previous one may have written deltas).
         self.latest_full = self.restored_from
         self.latest_delta = delta_checkpoints.restore_deltas(
             config.model_dir, self.restored_from, lambda path: self._restore(strategy, path),
