@@ -83,7 +83,7 @@ def run(keys: int, changed: float, shards: int, dim: int, optimizer: str, evicte
       out["new_keys"] = int(len(np.unique(new)))
     start = time.perf_counter()
     table.stage_checkpoint(full=full)
-    staged = table._staged[0]  # pylint: disable=protected-access
+    staged = table.staged_entries
     path = ckpt.write(os.path.join(directory, name, "ckpt"))
     table.checkpoint_written()
     out[f"{name}_save_s"] = round(time.perf_counter() - start, 3)

@@ -171,7 +171,7 @@ def test_checkpoint_full_then_deltas_on_two_shards(tmp_path):
   t.stage_checkpoint(full=False)
   t.discard_staged_checkpoint()
   t.stage_checkpoint(full=False)
-  assert np.asarray(t._staged[0]["keys"]).tolist() == [7]
+  assert np.asarray(t.staged_entries["keys"]).tolist() == [7]
   t.discard_staged_checkpoint()
   assert file_bytes(d1) < file_bytes(full) / 5
 
@@ -185,6 +185,6 @@ def test_checkpoint_full_then_deltas_on_two_shards(tmp_path):
     # The next delta of the restored table starts from the restore.
     train(r, [5], 11)
     r.stage_checkpoint(full=False)
-    staged = r._staged[0]
+    staged = r.staged_entries
     assert np.asarray(staged["keys"]).tolist() == [5]
     assert int(staged["delta"]) == 1

@@ -459,6 +459,11 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
       out[FILTER_FIELD] = self.export_filters()
     self._staged = (out, [int(p["sequence"]) for p in parts], bool(full))
 
+  @property
+  def staged_entries(self) -> Optional[Dict[str, tf.Tensor]]:
+    """The entries the next save writes (after `stage_checkpoint`), or None."""
+    return None if self._staged is None else dict(self._staged[0])
+
   def checkpoint_written(self) -> None:
     """The staged checkpoint is on disk: the next delta starts from it, and after a full one the
     shards forget the keys removed before it (no delta needs them any more)."""
