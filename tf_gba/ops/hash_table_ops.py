@@ -14,6 +14,11 @@ only at its k-th training lookup (the zero row, and gradients counted as `filter
 `admission_filter_cells=C`, admission counts live in a counting Bloom filter of C one-byte cells per
 shard instead of one exact count per key: fixed memory, early admissions from false positives.
 
+Incremental checkpoints (`ShardedHashTable.enable_incremental_checkpoints`): a checkpoint holds
+either every row or only the rows changed since the checkpoint before and the keys removed since
+(a delta, applied on top when restored); tf_gba.training.delta_checkpoints writes and restores
+them for the training binary's `--full_checkpoint_every`.
+
 Example:
 
   table = ShardedHashTable(dim=8, devices=["/job:ps/task:0", "/job:ps/task:1"], seed=1)
