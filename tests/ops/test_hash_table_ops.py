@@ -199,6 +199,41 @@ def test_changing_optimizer_relays_rows_out_keeping_values():
   np.testing.assert_array_equal(after["slots"][:2], np.full((2, 1, DIM), 0.5, np.float32))
 
 
+@pytest.mark.parametrize("import_kind", ["full", "delta"])
+def test_adagrad_rows_new_after_an_import_start_from_the_optimizers_accumulator(import_kind):
+  """Imported Adagrad rows keep their accumulators; a key first seen after the import starts from
+  the optimizer's initial accumulator (0.3 here), whether it was inserted by a training lookup
+  before the first apply or by that apply itself, as in a table that was never restored."""
+  lr, eps, acc0, seed = 0.5, 1e-7, 0.3, 5
+  src = hash_table_ops.ShardedHashTable(DIM, seed=seed)
+  g1 = np.full((1, DIM), 0.25, np.float32)
+  src.apply(tf.constant([1], tf.int64), g1, "adagrad", learning_rate=lr, initial_accumulator=acc0)
+  dst = hash_table_ops.ShardedHashTable(DIM, seed=seed)
+  if import_kind == "full":
+    dst.import_rows(src.export())
+  else:
+    dst.shards[0].import_delta(src.shards[0].export_delta(-1), replace=False)
+  dst.lookup(tf.constant([2], tf.int64), 1)  # inserted before the apply
+  g = np.array([[0.5, -1.0, 2.0, 0.0], [1.0, 1.0, -0.5, 0.25], [-2.0, 0.5, 1.0, 1.0]],
+               np.float32)
+  dst.apply(tf.constant([1, 2, 3], tf.int64), g, "adagrad", learning_rate=lr, iteration=1,
+            initial_accumulator=acc0)
+  got = _rows_by_key(dst.export())
+  # NumPy: key 1 continues from its accumulator acc0 + g1^2; keys 2 and 3 start from acc0.
+  prev1 = initial_row_ref(seed, 1, DIM).astype(np.float64) - lr * g1[0] / np.sqrt(
+      acc0 + g1[0].astype(np.float64)**2 + eps)
+  start = {1: (prev1, acc0 + g1[0].astype(np.float64)**2),
+           2: (initial_row_ref(seed, 2, DIM).astype(np.float64), np.full(DIM, acc0)),
+           3: (initial_row_ref(seed, 3, DIM).astype(np.float64), np.full(DIM, acc0))}
+  np.testing.assert_array_equal(got["keys"], [1, 2, 3])
+  for i, k in enumerate([1, 2, 3]):
+    value, acc = start[k]
+    acc = acc + g[i].astype(np.float64)**2
+    np.testing.assert_allclose(got["slots"][i].reshape(DIM), acc, rtol=1e-6)
+    np.testing.assert_allclose(got["values"][i], value - lr * g[i] / np.sqrt(acc + eps),
+                               rtol=1e-5, atol=1e-7)
+
+
 def _both_modes(fn):
   """Runs fn eagerly and inside a tf.function; returns the two exceptions."""
   errors = []

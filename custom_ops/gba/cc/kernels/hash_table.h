@@ -437,6 +437,12 @@ class HashTable : public ::tensorflow::ResourceBase {
     filter_decayed_at_ = step;
   }
 
+  // After an import: an Adagrad table's initial accumulator is the next apply's.
+  void MarkSlotInitUnknownLocked() TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    slot_init_known_ = optimizer_ != HashOptimizer::kAdagrad;
+    slot_init_pending_.clear();
+  }
+
   float SlotInitLocked() const TF_SHARED_LOCKS_REQUIRED(mu_) {
     return optimizer_ == HashOptimizer::kAdagrad ? initial_accumulator_ : 0.0f;
   }
@@ -449,6 +455,7 @@ class HashTable : public ::tensorflow::ResourceBase {
   int64_t InsertLocked(int64_t key) TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const int64_t r = AppendLocked(key);
     index_.emplace(key, r);
+    if (!slot_init_known_) slot_init_pending_.push_back(key);
     if (tracking_) tombstones_.erase(key);  // back again: a delta holds its row, not a removal
     ++admitted_;
     return r;
@@ -474,6 +481,11 @@ class HashTable : public ::tensorflow::ResourceBase {
   mutable ::tensorflow::mutex mu_;
   HashOptimizer optimizer_ TF_GUARDED_BY(mu_) = HashOptimizer::kSgd;
   float initial_accumulator_ TF_GUARDED_BY(mu_) = 0.0f;
+  // Imported Adagrad rows carry their accumulators, but not the value a new row's starts at
+  // (the optimizer's, known at the next apply): until then it is unknown, and the keys inserted
+  // meanwhile get theirs at that apply (see Apply).
+  bool slot_init_known_ TF_GUARDED_BY(mu_) = true;
+  std::vector<int64_t> slot_init_pending_ TF_GUARDED_BY(mu_);
   int64_t row_floats_ TF_GUARDED_BY(mu_);  // dim * (1 + slots): the value, then each slot
   absl::flat_hash_map<int64_t, int64_t> index_ TF_GUARDED_BY(mu_);
   std::vector<Block> blocks_ TF_GUARDED_BY(mu_);

@@ -51,7 +51,19 @@ void HashTable::Apply(const int64_t* keys, const float* grads, int64_t n,
       (a.optimizer == HashOptimizer::kAdagrad && num_rows_ == 0 &&
        a.initial_accumulator != initial_accumulator_)) {
     RelayoutLocked(a.optimizer, a.initial_accumulator);
+  } else if (!slot_init_known_) {
+    // The first apply after an import of Adagrad rows: new rows start from this optimizer's
+    // accumulator, and so do the ones inserted since the import.
+    initial_accumulator_ = a.initial_accumulator;
+    for (int64_t key : slot_init_pending_) {
+      auto it = index_.find(key);
+      if (it == index_.end()) continue;  // evicted since
+      float* row = RowLocked(it->second);
+      std::fill(row + config_.dim, row + row_floats_, initial_accumulator_);
+    }
   }
+  slot_init_known_ = true;
+  slot_init_pending_.clear();
   known_step_ = std::max(known_step_, a.iteration + 1);
   ++sequence_;
   for (size_t u = 0; u < unique_keys.size(); ++u) {
@@ -287,6 +299,7 @@ Status HashTable::Import(const Snapshot& s, int64_t num_slots) {
   num_rows_ = 0;
   optimizer_ = static_cast<HashOptimizer>(num_slots);
   row_floats_ = dim * (1 + slots);
+  MarkSlotInitUnknownLocked();
   known_step_ = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t r = AppendLocked(s.keys[i]);
@@ -342,6 +355,7 @@ Status HashTable::ImportDelta(const Snapshot& s, const std::vector<int64_t>& del
     blocks_.clear();
     optimizer_ = static_cast<HashOptimizer>(num_slots);
     row_floats_ = dim * (1 + num_slots);
+    MarkSlotInitUnknownLocked();
   } else if (n > 0 && num_slots != NumSlots(optimizer_)) {
     return errors::InvalidArgument(
         "The delta's rows have ", num_slots, " slots, but the rows of ", DebugString(), " have ",
