@@ -48,16 +48,13 @@ def deltas_after(model_dir: str, full_path: str) -> List[str]:
   return [os.path.join(directory, f"delta-{s}") for s in steps]
 
 
-def write_delta(checkpoint: tf.train.Checkpoint, table_list, model_dir: str, full_path: str,
-                step: int) -> str:
-  """Writes the delta of every table since the checkpoint before (and everything else whole).
-
-  Atomic as a checkpoint write is (the index is written last); a write that fails leaves the
-  tables' next delta where it was."""
+def _written_staged(table_list, full: bool, write: Callable[[], str]) -> str:
+  """Stages every table's save (full or delta), runs `write`, and tells the tables whether it
+  was written: a write that fails leaves their next delta where it was."""
   for t in table_list:
-    t.stage_checkpoint(full=False)
+    t.stage_checkpoint(full=full)
   try:
-    path = checkpoint.write(os.path.join(delta_dir(model_dir, full_path), f"delta-{step}"))
+    path = write()
   except BaseException:
     for t in table_list:
       t.discard_staged_checkpoint()
@@ -67,18 +64,19 @@ def write_delta(checkpoint: tf.train.Checkpoint, table_list, model_dir: str, ful
   return path
 
 
+def write_delta(checkpoint: tf.train.Checkpoint, table_list, model_dir: str, full_path: str,
+                step: int) -> str:
+  """Writes the delta of every table since the checkpoint before (and everything else whole).
+
+  Atomic as a checkpoint write is (the index is written last); a write that fails leaves the
+  tables' next delta where it was."""
+  prefix = os.path.join(delta_dir(model_dir, full_path), f"delta-{step}")
+  return _written_staged(table_list, False, lambda: checkpoint.write(prefix))
+
+
 def save_full(manager: tf.train.CheckpointManager, table_list, model_dir: str, step: int) -> str:
   """A full checkpoint through `manager`, after which the deltas of older ones are removed."""
-  for t in table_list:
-    t.stage_checkpoint(full=True)
-  try:
-    path = manager.save(checkpoint_number=step)
-  except BaseException:
-    for t in table_list:
-      t.discard_staged_checkpoint()
-    raise
-  for t in table_list:
-    t.checkpoint_written()
+  path = _written_staged(table_list, True, lambda: manager.save(checkpoint_number=step))
   prune(model_dir, path)
   return path
 
