@@ -396,21 +396,25 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
       return parts[0]
     return {f: tf.concat([p[f] for p in parts], axis=0) for f in EXPORT_FIELDS + PENDING_FIELDS}
 
-  def import_rows(self, rows: Dict[str, tf.Tensor]) -> tf.Operation:
-    """Replaces every shard's rows (and pending counts) with those of `rows` whose keys it owns."""
-    keys = tf.convert_to_tensor(rows["keys"], tf.int64)
-    _, positions = self.partition(keys)
+  def _split_rows(self, rows: Dict[str, tf.Tensor]) -> List[Dict[str, tf.Tensor]]:
+    """Per shard, the rows (EXPORT_FIELDS) and pending counts (if any) of `rows` it owns."""
+    _, positions = self.partition(tf.convert_to_tensor(rows["keys"], tf.int64))
     if "pending_keys" in rows:
       _, pending_positions = self.partition(tf.convert_to_tensor(rows["pending_keys"], tf.int64))
     else:
       pending_positions = [None] * len(self._shards)
-    ops = []
-    for shard, pos, ppos in zip(self._shards, positions, pending_positions):
+    parts = []
+    for pos, ppos in zip(positions, pending_positions):
       part = {f: tf.gather(rows[f], pos) for f in EXPORT_FIELDS}
       if ppos is not None:
         part.update({f: tf.gather(rows[f], ppos) for f in PENDING_FIELDS})
-      ops.append(shard.import_rows(part))
-    return tf.group(ops)
+      parts.append(part)
+    return parts
+
+  def import_rows(self, rows: Dict[str, tf.Tensor]) -> tf.Operation:
+    """Replaces every shard's rows (and pending counts) with those of `rows` whose keys it owns."""
+    return tf.group([shard.import_rows(part)
+                     for shard, part in zip(self._shards, self._split_rows(rows))])
 
   # ---- checkpointing ---------------------------------------------------------------------------
   def _checkpoint_fields(self) -> Tuple[str, ...]:
@@ -519,20 +523,10 @@ class ShardedHashTable(tf.__internal__.tracking.Trackable):
 
   def import_delta(self, rows: Dict[str, tf.Tensor], replace) -> tf.Operation:
     """Every shard applies the part of `rows` it owns (see HashTableShard.import_delta)."""
-    keys = tf.convert_to_tensor(rows["keys"], tf.int64)
-    _, positions = self.partition(keys)
     deleted = tf.convert_to_tensor(rows.get(DELETED_FIELD, tf.zeros([0], tf.int64)), tf.int64)
     deleted_parts, _ = self.partition(deleted)
-    if "pending_keys" in rows:
-      _, pending_positions = self.partition(tf.convert_to_tensor(rows["pending_keys"], tf.int64))
-    else:
-      pending_positions = [None] * len(self._shards)
     ops = []
-    for shard, pos, ppos, dpart in zip(self._shards, positions, pending_positions,
-                                       deleted_parts):
-      part = {f: tf.gather(rows[f], pos) for f in EXPORT_FIELDS}
-      if ppos is not None:
-        part.update({f: tf.gather(rows[f], ppos) for f in PENDING_FIELDS})
+    for shard, part, dpart in zip(self._shards, self._split_rows(rows), deleted_parts):
       part[DELETED_FIELD] = dpart
       ops.append(shard.import_delta(part, replace))
     return tf.group(ops)
