@@ -1,6 +1,8 @@
 """Evaluation metrics computed exactly in NumPy (no threshold buckets), and the evaluation of a
 binary classifier that every training job reports: {"auc", "logloss", "examples"}."""
 
+import weakref
+
 import numpy as np
 
 
@@ -31,11 +33,30 @@ def logloss(labels, probs, eps: float = 1e-7) -> float:
   return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
 
 
+# One traced prediction per model: a job evaluating the same model every few steps traces it
+# once, not once per evaluation.
+_PREDICT = weakref.WeakKeyDictionary()
+
+
+def predict_function(model):
+  """`model(x, training=False)` as a `tf.function`, traced once per model and input signature."""
+  predict = _PREDICT.get(model)
+  if predict is None:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    predict = tf.function(lambda x: model(x, training=False), reduce_retracing=True)
+    # TensorFlow counts traces by the Python code traced, across function objects: every model
+    # evaluated (a benchmark's fresh model per chain, each with one trace) would add to one count
+    # and print "triggered tf.function retracing" after the fifth. One trace per model is what
+    # this cache is for, so that warning says nothing here.
+    predict._omit_frequent_tracing_warning = True  # pylint: disable=protected-access
+    _PREDICT[model] = predict
+  return predict
+
+
 def evaluate_binary(model, dataset) -> dict:
   """AUC and log loss of `model` (probabilities) on a dataset of (features, labels) batches."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
-  predict = tf.function(lambda x: model(x, training=False))
+  predict = predict_function(model)
   labels, scores = [], []
   for features, y in dataset:
     labels.append(np.reshape(y.numpy(), [-1]))
