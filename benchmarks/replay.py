@@ -108,9 +108,7 @@ class Chains:
     from tf_gba.simulate import simulate  # pylint: disable=g-import-not-at-top
     from tf_gba.training import replay  # pylint: disable=g-import-not-at-top
     n = self.n
-    steps = self.protocol.one_pass_batches
-    if mode == "sync":
-      steps = n * math.ceil(steps / n)   # the pass in whole global steps
+    steps = day_steps(self.protocol, mode, n)
     sim = simulate(mode, _sim_config(self.args, n, seed, day, math.ceil(steps / n) + 1,
                                      self.local_batch))
     timeline = replay.Timeline.from_simulation(sim, num_steps=steps)
@@ -171,6 +169,16 @@ class Chains:
                            "shared_with": "from_sync"})
 
 
+def day_steps(protocol, mode: str, n: int) -> int:
+  """Worker steps of one day: one pass through the data list (Sync: the pass in whole global
+  steps), or --steps_per_day in every mode."""
+  if not protocol.one_pass_batches:
+    return protocol.steps_per_day
+  if mode == "sync":
+    return n * math.ceil(protocol.one_pass_batches / n)
+  return protocol.one_pass_batches
+
+
 def _data_kwargs(data: str, options: str) -> dict:
   from tf_gba.training.config import TrainConfig  # pylint: disable=g-import-not-at-top
   return TrainConfig(data=data, data_options=options).data_kwargs()
@@ -226,6 +234,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--data_options", default=None)
   p.add_argument("--model", default="deepfm")
   p.add_argument("--days", type=int, default=4)
+  p.add_argument("--steps_per_day", type=int, default=0,
+                 help="worker steps a day in every mode, rounded up to whole multiples of 4 N "
+                      "(0: one pass over the day's train rows; Sync in whole global steps)")
   p.add_argument("--base_days", type=int, default=1)
   p.add_argument("--seeds", type=int, default=2, help="seeds 0 .. seeds - 1")
   p.add_argument("--learning_rate", type=float, default=0.003)
@@ -246,6 +257,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.sizes = [int(x) for x in args.num_workers.split(",")]
   except ValueError:
     p.error(f"--num_workers must be comma-separated integers, got {args.num_workers!r}")
+  if args.steps_per_day < 0:
+    p.error(f"--steps_per_day must be >= 0, got {args.steps_per_day}")
   if min(args.sizes) < 2 or args.seeds < 1 or args.base_days < 1:
     p.error("need --num_workers >= 2, --seeds >= 1 and --base_days >= 1")
   for n in args.sizes:
@@ -259,25 +272,30 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   return args
 
 
+def make_protocol(args, n: int, local_batch: int):
+  """switching's protocol (days, day length, evaluation) for N = n workers."""
+  return switching.make_protocol(argparse.Namespace(
+      data=args.data, data_options=args.data_options, days=args.days, base_days=args.base_days,
+      num_workers=n, local_batch_size=local_batch, steps_per_day=args.steps_per_day,
+      input="shared"))
+
+
 def run_size(args, n: int) -> dict:
   """Every seed's chains at N = n; the switching benchmark's results dict."""
   started = time.time()
   local_batch = args.global_batch_size // n if args.global_batch_size else args.local_batch_size
-  proto_args = argparse.Namespace(
-      data=args.data, data_options=args.data_options, days=args.days, base_days=args.base_days,
-      num_workers=n, local_batch_size=local_batch, steps_per_day=0, input="shared")
-  protocol = switching.make_protocol(proto_args)
+  protocol = make_protocol(args, n, local_batch)
   modes, seeds = args.modes_list, list(range(args.seeds))
   chains = Chains(args, protocol, n, local_batch)
-  print(f"replay: N={n}, local batch {local_batch}, {protocol.one_pass_batches} worker steps a "
-        f"day (sync {n * math.ceil(protocol.one_pass_batches / n)}), modes {modes}, seeds "
-        f"{seeds}", flush=True)
+  print(f"replay: N={n}, local batch {local_batch}, {day_steps(protocol, 'gba', n)} worker "
+        f"steps a day (sync {day_steps(protocol, 'sync', n)}), modes {modes}, seeds {seeds}",
+        flush=True)
   for seed in seeds:
     chains.seed(seed, modes)
   speed = None
   if args.speed:
     day = protocol.train_days[0]
-    steps = protocol.one_pass_batches
+    steps = day_steps(protocol, "gba", n)
     single = single_worker_seconds(chains, 0, day, steps)
     replayed = [r["replay_seconds"] for r in chains.records
                 if r["direction"] == "from_sync" and r["day"] == day and r["seed"] == 0]

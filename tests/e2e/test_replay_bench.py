@@ -57,3 +57,17 @@ def test_gba_equals_sync_without_staleness_and_async_does_not(results):
     assert abs(asy - sync) > 1e-4, direction
   stale = next(r for r in res["tables"]["staleness"] if r["mode"] == "gba")
   assert stale["mean_staleness"]["mean"] == 0 and stale["dropped_batches"]["mean"] == 0
+
+
+@pytest.mark.parametrize("steps_per_day,want", [(0, {"sync": 10, "gba": 9, "async": 9}),
+                                                (12, {"sync": 16, "gba": 16, "async": 16})])
+def test_day_length_is_one_pass_or_steps_per_day_in_every_mode(steps_per_day, want):
+  """A day is one pass through the data list (9 local batches of 1,100 rows; Sync 10: whole
+  global steps of N = 2), or --steps_per_day in every mode (rounded up to 4 N = 8: 12 -> 16),
+  so that a short day gives Sync no extra global step."""
+  args = replay_bench.parse_args([
+      "--data=synthetic", "--data_options=num_examples=1100,num_eval_examples=64,vocab_size=50",
+      "--days=3", "--num_workers=2", "--local_batch_size=128",
+      f"--steps_per_day={steps_per_day}"])
+  protocol = replay_bench.make_protocol(args, 2, 128)
+  assert {m: replay_bench.day_steps(protocol, m, 2) for m in want} == want
