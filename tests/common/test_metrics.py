@@ -1,6 +1,8 @@
 """tf_gba.common.metrics against NumPy references written here, and the evaluation's tracing."""
 
+import gc
 import logging
+import weakref
 
 import numpy as np
 import pytest
@@ -89,3 +91,13 @@ def test_evaluate_binary_scores_the_models_predictions_and_traces_once_per_model
   finally:
     tf.get_logger().removeHandler(records)
   assert not [m for m in records.messages if "retracing" in m], records.messages
+
+
+def test_the_cached_prediction_does_not_keep_a_model_alive():
+  ds, _, _ = _dataset(1)
+  model = _model(0)
+  metrics.evaluate_binary(model, ds)
+  ref = weakref.ref(model)
+  del model
+  gc.collect()
+  assert ref() is None

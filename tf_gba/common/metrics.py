@@ -44,7 +44,10 @@ def predict_function(model):
   if predict is None:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-    predict = tf.function(lambda x: model(x, training=False), reduce_retracing=True)
+    # The function holds the model weakly: a strong reference from the cache's value would keep
+    # its key, and so every model ever evaluated, alive.
+    ref = weakref.ref(model)
+    predict = tf.function(lambda x: ref()(x, training=False), reduce_retracing=True)
     # TensorFlow counts traces by the Python code traced, across function objects: every model
     # evaluated (a benchmark's fresh model per chain, each with one trace) would add to one count
     # and print "triggered tf.function retracing" after the fifth. One trace per model is what
