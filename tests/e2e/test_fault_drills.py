@@ -166,6 +166,17 @@ def _alive(pid):
     return False
 
 
+def _latest_checkpoint_step(model_dir):
+  """The step of model_dir's newest checkpoint (0: none yet), from the state file that
+  tf.train.CheckpointManager rewrites after each save."""
+  try:
+    with open(os.path.join(model_dir, "checkpoint")) as f:
+      found = re.search(r'^model_checkpoint_path: "ckpt-(\d+)"', f.read(), re.M)
+  except OSError:
+    return 0
+  return int(found.group(1)) if found else 0
+
+
 def _summary(model_dir):
   with open(os.path.join(model_dir, "summary.json")) as f:
     return json.load(f)
@@ -391,25 +402,32 @@ def test_replicated_modes_resume_from_the_last_checkpoint_after_a_lost_server(
   """ShadowSync and ASGD without gradient delay: a worker holds a dense replica no other process
   has, a parameter server the embeddings and the synchronisers' model. Either death restarts
   the job, which resumes from the last periodic checkpoint (the replicas' average) toward the
-  same target. The checkpoint is written while the workers train, so the steps redone may pass
-  the interval by the steps in flight when it read the step count (one per worker)."""
+  same target. The checkpoint is written while the workers train, so how many steps are redone
+  is a matter of timing: the test checks that none older than the last checkpoint is."""
   reference = _undisturbed(mode, tmp_path_factory)
   deadline = time.time() + _TIME_LIMIT_S
+  model_dir = str(tmp_path / "m")
+  before_kill = []
 
   def kill(run):
-    os.kill(_server(run.proc.pid, job, 0), signal.SIGKILL)
+    server = _server(run.proc.pid, job, 0)
+    before_kill.append(_latest_checkpoint_step(model_dir))
+    os.kill(server, signal.SIGKILL)
 
   cause = {"worker": "WorkerLost", "ps": "ParameterServerLost"}[job]
-  run, summary = _resumed_run(mode, str(tmp_path / "m"), deadline, kill, cause)
+  run, summary = _resumed_run(mode, model_dir, deadline, kill, cause)
   err = "".join(run.err)
   assert f"{job}:0 died or became unreachable" in err and "restarting the job" in err
   # Nothing else on stderr: each loss is said once (and the restart that follows it).
   assert len([l for l in run.err if l.strip()]) == 2 * summary["restarts"], err
   assert summary["target_global_step"] == summary["global_step"] == _STEPS
-  # At most two intervals and the steps in flight per restart: the kill can land while the next
-  # periodic checkpoint is written (it reads the replicas as they train, so the steps go on and
-  # a slow machine lets the test's kill come late), and that checkpoint is lost with the server.
-  assert summary["steps_redone"] <= (2 * _CHECKPOINT_EVERY + 2) * summary["restarts"]
+  # Resumed from the newest checkpoint written before the kill (or one the save under way then
+  # completed), never an older one. How many steps that redoes has no fixed bound: the workers
+  # do not stop for a checkpoint, so the steps they take while one is written come on top of the
+  # interval: 113 were redone once on a loaded machine (interval 40, about 25 steps a second).
+  assert before_kill[0] > 0, "the kill came before the first periodic checkpoint"
+  assert summary["start_global_step"] >= before_kill[0], (summary["start_global_step"],
+                                                          before_kill)
   if summary["restarts"] == 1:
     # Redone: the global step of the last progress line before the resumption (each line is
     # reported as it is printed) minus the step resumed from. It may be 0: the kill lands when
