@@ -64,9 +64,10 @@ def trace_step_seconds(base_seconds, slow_workers, factor: float, window_s: floa
 
 def simulated_seconds(step_seconds, interval_s: float, local_batch_size: int, target: float,
                       efficiency, modes, decisions=(), switch_cost_s: float = 0.0) -> float:
-  """Seconds to train `target` examples: interval i trains in modes[i] at its model QPS times
-  the mode's efficiency (the last interval counted in part), each decision adds the switch's
-  cost after its interval. Raises if the intervals end before the target."""
+  """Seconds to train `target` examples: interval i trains in modes[i] at its model QPS (from
+  `step_seconds`, [intervals, N], or that mode's own, {mode: [intervals, N]}) times the mode's
+  efficiency (the last interval counted in part); each decision adds the switch's cost after
+  its interval. Raises if the intervals end before the target."""
   return _run_to(step_seconds, interval_s, local_batch_size, target, efficiency, modes,
                  decisions, switch_cost_s)[0]
 
@@ -76,7 +77,8 @@ def _run_to(step_seconds, interval_s, local_batch_size, target, efficiency, mode
   """(seconds, the interval in which the target is reached)."""
   after = {d["interval"] for d in decisions}
   seconds = examples = 0.0
-  for i, (times, mode) in enumerate(zip(step_seconds, modes)):
+  for i, mode in enumerate(modes):
+    times = step_seconds[mode][i] if isinstance(step_seconds, dict) else step_seconds[i]
     qps = predicted_qps(times, local_batch_size)[f"{mode}_qps"] * efficiency[mode]
     if examples + qps * interval_s >= target:
       return seconds + (target - examples) / qps, i
@@ -87,12 +89,16 @@ def _run_to(step_seconds, interval_s, local_batch_size, target, efficiency, mode
 
 def simulate(auto_summary: dict, args) -> dict:
   """The simulator's seconds for each mode on the benchmark's trace, given what `auto_summary`
-  measured: the efficiencies, the mean switch cost, the workers' quiet step times (the median of
-  its observations: the slow window holds about a third of them) and its mean observation
-  interval; auto with the policy's flags (`tf_gba.simulate.auto.replay`). Also the simulated
-  auto run's switches, at the interval's end on the training clock."""
-  observations = [t for stay in auto_summary["stays"] for t in stay["step_seconds"]]
-  base = np.median(np.asarray(observations, np.float64), axis=0)
+  measured: the efficiencies, the mean switch cost, each mode's quiet step times (the median of
+  the observations of its stays, as a step's own time depends on the mode; a mode auto never
+  trained in takes the other's) and the mean observation interval; auto with the policy's flags
+  (`tf_gba.simulate.auto.replay`). Also the simulated auto run's switches, at the interval's end
+  on the training clock."""
+  observed = {m: [t for stay in auto_summary["stays"] if stay["mode"] == m
+                  for t in stay["step_seconds"]] for m in ("sync", "gba")}
+  observations = observed["sync"] + observed["gba"]
+  base = {m: np.median(np.asarray(observed[m] or observations, np.float64), axis=0)
+          for m in observed}
   trained = sum(stay["train_seconds"] for stay in auto_summary["stays"])
   interval_s = trained / max(1, len(observations) + len(auto_summary["stays"]))
   measured = auto_summary["efficiency"]
@@ -103,11 +109,13 @@ def simulate(auto_summary: dict, args) -> dict:
   slow = [int(w) for w in args.slow_workers.split(",")]
   target = args.steps * args.local_batch_size
   # Enough intervals for the slowest case: every worker at the slow pace throughout.
-  worst = target / predicted_qps(base * args.factor, args.local_batch_size)["sync_qps"]
+  worst = max(target / predicted_qps(b * args.factor, args.local_batch_size)["sync_qps"]
+              for b in base.values())
   n = int(worst / min(efficiency.values()) / interval_s) + 2
-  times = trace_step_seconds(base, slow, args.factor, args.window_s, interval_s, n)
-  out = {"interval_s": interval_s, "base_step_seconds": base.tolist(), "efficiency": efficiency,
-         "switch_cost_s": cost}
+  times = {m: trace_step_seconds(b, slow, args.factor, args.window_s, interval_s, n)
+           for m, b in base.items()}
+  out = {"interval_s": interval_s, "base_step_seconds": {m: b.tolist() for m, b in base.items()},
+         "efficiency": efficiency, "switch_cost_s": cost}
   for mode in ("sync", "gba"):
     out[mode] = simulated_seconds(times, interval_s, args.local_batch_size, target, efficiency,
                                   [mode] * n)
@@ -215,6 +223,9 @@ def main(argv=None):
   p.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "auto_timeline.png"))
   p.add_argument("--replot", default=None,
                  help="only draw the timeline of this auto run's summary.json")
+  p.add_argument("--report_only", action="store_true",
+                 help="run nothing: print the tables again from --out's results.json and its "
+                      "auto runs' summaries (the simulator run anew on them)")
   p.add_argument("--dry_run", action="store_true",
                  help="check the flags, print one line and exit without running anything")
   args = p.parse_args(argv)
@@ -227,7 +238,7 @@ def main(argv=None):
     p.error(f"--slow_workers takes comma-separated worker indices, got {args.slow_workers!r}")
   if args.compute_ms < 0:
     p.error(f"--compute_ms must be >= 0 (0: no floor), got {args.compute_ms:g}")
-  if args.steps is None and not args.compute_ms and not args.replot:
+  if args.steps is None and not args.compute_ms and not (args.replot or args.report_only):
     p.error("--compute_ms=0 (no floor) needs --steps: there is no floor to derive it from")
   if args.dry_run:
     print(f"benchmarks.auto_mode: dry run: flags valid (modes {args.modes}, {args.seeds} seeds); "
@@ -237,6 +248,8 @@ def main(argv=None):
     with open(args.replot) as f:
       plot_timeline(json.load(f), args.plot, args.window_s)
     return None
+  if args.report_only:
+    return _report_again(args)
   if args.steps is None:
     args.steps = default_steps(args.window_s, args.factor, args.num_workers, args.compute_ms)
   os.makedirs(args.out, exist_ok=True)
@@ -265,8 +278,7 @@ def main(argv=None):
                    "num_switches": s.get("num_switches"), "switches": s.get("switches"),
                    "switch_seconds": s.get("switch_seconds")}
     if "auto" in runs:
-      row["auto_switches"] = real_switches(runs["auto"])
-      row["simulated"] = simulate(runs["auto"], args)
+      _simulated_into(row, runs["auto"], args)
     if {"sync", "gba", "auto"} <= set(runs):
       best = min(runs["sync"]["command_seconds"], runs["gba"]["command_seconds"])
       row["auto_vs_best"] = runs["auto"]["command_seconds"] / best
@@ -274,6 +286,31 @@ def main(argv=None):
     if "auto" in runs and seed == 0 and args.plot:
       plot_timeline(runs["auto"], args.plot, args.window_s)
     rows.append(row)
+  return _report(rows, args)
+
+
+def _simulated_into(row: dict, auto_summary: dict, args) -> None:
+  row["auto_switches"] = real_switches(auto_summary)
+  row["simulated"] = simulate(auto_summary, args)
+
+
+def _report_again(args):
+  """--report_only: the rows of --out's last run, the simulator run anew on its auto runs."""
+  path = os.path.join(args.out, "results.json")
+  if not os.path.exists(path):
+    raise SystemExit(f"benchmarks.auto_mode: --report_only: no {path}; run the benchmark first.")
+  with open(path) as f:
+    rows = json.load(f)
+  args.steps = rows[0]["steps"]
+  for row in rows:
+    if "auto" in row:
+      with open(os.path.join(args.out, f"auto_{row['seed']}", "summary.json")) as f:
+        _simulated_into(row, json.load(f), args)
+  return _report(rows, args)
+
+
+def _report(rows, args):
+  """Prints the tables and acceptance lines of `rows`, and writes them to --out/results.json."""
   load = os.getloadavg()
   print(f"\n{args.num_workers} workers x {args.local_batch_size}, {args.steps} worker steps, "
         f"compute floor {args.compute_ms:g} ms, workers {args.slow_workers} {args.factor:g}x "

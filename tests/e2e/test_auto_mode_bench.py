@@ -3,6 +3,7 @@ and for auto, where a switch fell on the training clock, and its flags. (The run
 real clusters of several minutes each; tests/training/test_auto_cluster.py runs auto's job.)"""
 
 import argparse
+import json
 
 import numpy as np
 import pytest
@@ -78,14 +79,15 @@ def test_simulate_reads_the_auto_run_and_replays_its_policy():
   # Two workers at 0.1 s, three observations of each of two stays (one slow observation), one
   # switch that cost 2 s; both modes measured at their model's rate.
   quiet, slow = [0.1, 0.1], [0.4, 0.1]
-  stays = [{"step_seconds": [quiet, slow, quiet], "train_seconds": 8.0},
-           {"step_seconds": [quiet, quiet, quiet], "train_seconds": 8.0}]
+  stays = [{"mode": "sync", "step_seconds": [quiet, slow, quiet], "train_seconds": 8.0},
+           {"mode": "gba", "step_seconds": [quiet, quiet, quiet], "train_seconds": 8.0}]
   switches = [{"from": "sync", "to": "gba", "trained_s_in_mode": 6.0, "cost_s": 2.0}]
   summary = _summary(stays, switches, {"sync": 1.0, "gba": 1.0})
   args = _args(slow_workers="0", window_s=10.0, steps=400, local_batch_size=8)
   sim = auto_mode.simulate(summary, args)
   assert sim["interval_s"] == pytest.approx(16.0 / 8)  # 6 observations + 2 first intervals
-  np.testing.assert_allclose(sim["base_step_seconds"], [0.1, 0.1])
+  for mode in ("sync", "gba"):
+    np.testing.assert_allclose(sim["base_step_seconds"][mode], [0.1, 0.1])
   assert sim["switch_cost_s"] == 2.0
   n = 400 * 8
   times = auto_mode.trace_step_seconds([0.1, 0.1], [0], 4.0, 10.0, 2.0, 200)
@@ -101,6 +103,27 @@ def test_simulate_reads_the_auto_run_and_replays_its_policy():
   assert sim["gba"] < sim["auto"] < sim["sync"] + 2.0 * len(sim["auto_switches"])
 
 
+def test_each_mode_is_simulated_from_its_own_step_times():
+  # Sync's steps 10 ms, GBA's 30 ms (its parameter-server round trips); one slow Sync
+  # observation among three. A mode's base is the median of its own stays' observations.
+  stays = [{"mode": "sync", "step_seconds": [[0.01, 0.01], [0.04, 0.01], [0.01, 0.01]],
+            "train_seconds": 4.0},
+           {"mode": "gba", "step_seconds": [[0.03, 0.03]] * 3, "train_seconds": 4.0}]
+  switches = [{"from": "sync", "to": "gba", "trained_s_in_mode": 3.0, "cost_s": 1.0}]
+  summary = _summary(stays, switches, {"sync": 0.5, "gba": 0.8})
+  args = _args(slow_workers="1", window_s=100.0, steps=2000, local_batch_size=8)
+  sim = auto_mode.simulate(summary, args)
+  np.testing.assert_allclose(sim["base_step_seconds"]["sync"], [0.01, 0.01])
+  np.testing.assert_allclose(sim["base_step_seconds"]["gba"], [0.03, 0.03])
+  # All before the window: Sync 2 x 8 / 0.01 x 0.5 = 800 QPS, GBA 8 x (2 / 0.03) x 0.8 = 426.7.
+  assert sim["sync"] == pytest.approx(2000 * 8 / 800.0)
+  assert sim["gba"] == pytest.approx(2000 * 8 / (8 * 2 / 0.03 * 0.8))
+  # Only GBA's stay observed: Sync takes GBA's times.
+  summary["stays"] = summary["stays"][1:]
+  sim = auto_mode.simulate(summary, args)
+  np.testing.assert_allclose(sim["base_step_seconds"]["sync"], [0.03, 0.03])
+
+
 def test_real_switches_are_placed_on_the_training_clock():
   stays = [{"train_seconds": 30.0}, {"train_seconds": 12.0}, {"train_seconds": 50.0}]
   switches = [{"from": "sync", "to": "gba", "trained_s_in_mode": 29.0},
@@ -114,3 +137,31 @@ def test_no_floor_needs_steps(capsys):
     auto_mode.main(["--compute_ms=0", "--dry_run"])
   assert "--compute_ms=0 (no floor) needs --steps" in capsys.readouterr().err
   assert auto_mode.main(["--compute_ms=0", "--steps=800", "--dry_run"]) is None
+
+
+def test_report_only_reads_the_last_run_and_simulates_it_anew(tmp_path, capsys):
+  stays = [{"mode": "sync", "step_seconds": [[0.1, 0.1]] * 3, "train_seconds": 8.0},
+           {"mode": "gba", "step_seconds": [[0.1, 0.1]] * 3, "train_seconds": 8.0}]
+  switches = [{"from": "sync", "to": "gba", "trained_s_in_mode": 6.0, "cost_s": 2.0,
+               "at_step": 96}]
+  (tmp_path / "auto_0").mkdir()
+  (tmp_path / "auto_0" / "summary.json").write_text(
+      json.dumps(_summary(stays, switches, {"sync": 1.0, "gba": 1.0})))
+
+  def run(seconds, auc, **kw):
+    return dict(command_seconds=seconds, train_seconds=seconds - 5, eval_auc=auc, global_qps=1.0,
+                num_switches=None, switches=None, switch_seconds=None, **kw)
+
+  row = {"seed": 0, "steps": 400, "sync": run(40.0, 0.70), "gba": run(30.0, 0.71),
+         "auto": dict(run(32.0, 0.7005), num_switches=1, switches=switches, switch_seconds=2.0),
+         "auto_vs_best": 32.0 / 30.0, "auto_auc_minus_sync": 0.0005}
+  (tmp_path / "results.json").write_text(json.dumps([row]))
+  rows = auto_mode.main(["--report_only", f"--out={tmp_path}", "--slow_workers=0",
+                         "--window_s=10", "--local_batch_size=8"])
+  out = capsys.readouterr().out
+  assert "seed 0: auto / faster pure mode = 1.067 (<= 1.10: met)" in out
+  assert "over the seeds' mean +0.0005 (>= -0.001: met)" in out
+  assert "| 0 | auto | 29.0 | " in out  # training 27 s + the switch's 2 s
+  assert rows[0]["simulated"]["switch_cost_s"] == 2.0
+  assert rows[0]["auto_switches"] == [{"from": "sync", "to": "gba", "training_s": 6.0}]
+  assert json.loads((tmp_path / "results.json").read_text())[0]["simulated"]["sync"] > 0

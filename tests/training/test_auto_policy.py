@@ -306,6 +306,40 @@ def test_simulator_replays_the_policys_decisions():
   assert got.decisions[0]["saved_s"] == pytest.approx(200.0 * (8704.0 / 7680.0 - 1))
 
 
+def test_simulator_replays_each_modes_own_step_times():
+  # A GBA step's own time is 3x a Sync step's (its parameter-server round trips); efficiencies
+  # are each mode's measured QPS over its model from its own times. Workers 0 and 1 4x slower
+  # in intervals 10-19.
+  def trace(base):
+    quiet, slow = [base] * 4, [4 * base, 4 * base, base, base]
+    return [quiet] * 10 + [slow] * 10 + [quiet] * 10
+
+  times = {"sync": trace(0.1), "gba": trace(0.3)}
+  eff = {"sync": 0.75, "gba": 0.85}
+  rule = dict(margin=0.1, hysteresis=0.05, dwell_s=0.0, confirm=1)
+  cfg = PolicyConfig(horizon_s=60.0, switch_cost_s=20.0, **rule)
+  mode, policy, want = "sync", None, []
+  for i in range(30):  # the job: it sees the current mode's own step times only
+    if policy is None:
+      policy = AutoPolicy(cfg, mode, 256, eff, [20.0])
+      continue
+    d = observe(policy, float(i), times[mode][i], eff[mode])
+    if d is not None:
+      want.append((i, d["from"], d["to"]))
+      mode, policy = d["to"], None
+  got = simulate_auto.replay(times, 5.0, 256, eff, 20.0, horizon_s=60.0, **rule)
+  assert [(d["interval"], d["from"], d["to"]) for d in got.decisions] == want
+  # By hand: quiet Sync (7,680) expects GBA at 10,240 x 0.85 = 8,704 from Sync's times: saves
+  # 8 s < 20 s, stays; in the window Sync measures 1,920 and expects GBA at 6,400 x 0.85 = 5,440:
+  # switches at interval 10. In GBA, from GBA's own (3x) times: quiet GBA 3,413 x 0.85 = 2,901
+  # against Sync expected at 3,413 x 0.75 = 2,560: it stays. Each interval trains at its own
+  # mode's model from that mode's times.
+  assert want == [(10, "sync", "gba")]
+  assert got.modes == ["sync"] * 11 + ["gba"] * 19
+  gba_quiet, gba_slow = 256 * 4 / 0.3 * 0.85, 256 * (2 / 1.2 + 2 / 0.3) * 0.85
+  assert got.examples == pytest.approx(5.0 * (10 * 7680 + 1920 + 9 * gba_slow + 10 * gba_quiet))
+
+
 def test_switch_cost_accounting_by_hand():
   from tf_gba.training import auto_job  # pylint: disable=g-import-not-at-top
   cfg = PolicyConfig(switch_cost_s=30.0)

@@ -58,7 +58,10 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
            hysteresis: float = 0.15, dwell_s: float = 20.0, confirm: int = 2,
            horizon_s: float = 60.0, start: str = SYNC, probe_s: float = 0.0,
            assumed_efficiency: Optional[Dict[str, float]] = None) -> Replay:
-  """Replays `--mode=auto` over intervals of per-worker step times ([intervals, N]).
+  """Replays `--mode=auto` over intervals of per-worker step times ([intervals, N]), or of each
+  mode's own ({mode: [intervals, N]}): a step's own time depends on the mode (a GBA step holds
+  its parameter-server round trips, a Sync step not its all-reduce), and the job sees the
+  current mode's, from which it predicts both.
 
   `probe_s` > 0: the first stay moves to the other mode after `probe_s` seconds and one
   observation whatever the gain (a decision with `probe` True), and the second stay may be left
@@ -72,7 +75,10 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
   known = dict(efficiency if assumed_efficiency is None else assumed_efficiency)
   decisions, modes = [], []
   seconds = examples = 0.0
-  for i, times in enumerate(np.asarray(step_seconds, np.float64)):
+  per_mode = {m: np.asarray(step_seconds[m] if isinstance(step_seconds, dict) else step_seconds,
+                            np.float64) for m in (SYNC, GBA)}
+  for i in range(min(len(t) for t in per_mode.values())):
+    times = per_mode[mode][i]
     model = predicted_qps(times, local_batch_size)
     qps = model[f"{mode}_qps"] * efficiency[mode]
     modes.append(mode)
