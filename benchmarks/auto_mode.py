@@ -4,6 +4,7 @@
                                  [--steps=auto] [--num_workers=4] [--local_batch_size=256]
                                  [--compute_ms=100] [--log_every=40] [--modes=sync,gba,auto]
                                  [--out=runs/bench_auto] [--plot=docs/img/auto_timeline.png]
+                                 [--report_only]
 
 The trace (`tf_gba.distribute.stragglers`, `trace:` profile) slows `--slow_workers` by
 `--factor` in its second window of `--window_s` seconds of each worker's clock, and not before or
@@ -194,7 +195,8 @@ def plot_timeline(summary: dict, path: str, window_s: float) -> None:
   for sw in summary["switches"]:
     decided = sw.get("decided_at_seconds") or sw["at_seconds"]
     ax.axvline(decided, color="k", lw=0.8, ls="--")
-    ax.annotate(f"{sw['from']}->{sw['to']} decided\ngain {sw['predicted_gain']:.2f}",
+    gain = sw.get("expected_gain", sw["predicted_gain"])  # what it decided on (model's: older)
+    ax.annotate(f"{sw['from']}->{sw['to']} decided\nexpected gain {gain:.2f}",
                 (decided, top * 1.1), fontsize=8, ha="right", va="top")
   ax.set_xlabel("seconds since the job started (switches included)")
   ax.set_ylabel("QPS over the last interval")
