@@ -4,7 +4,7 @@
                                  [--steps=auto] [--num_workers=4] [--local_batch_size=256]
                                  [--compute_ms=100] [--log_every=40] [--modes=sync,gba,auto]
                                  [--out=runs/bench_auto] [--plot=docs/img/auto_timeline.png]
-                                 [--report_only]
+                                 [--first_seed=0] [--report_only]
 
 The trace (`tf_gba.distribute.stragglers`, `trace:` profile) slows `--slow_workers` by
 `--factor` in its second window of `--window_s` seconds of each worker's clock, and not before or
@@ -212,6 +212,8 @@ def plot_timeline(summary: dict, path: str, window_s: float) -> None:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--seeds", type=int, default=1)
+  p.add_argument("--first_seed", type=int, default=0,
+                 help="seeds --first_seed, ..., --first_seed + --seeds - 1")
   p.add_argument("--window_s", type=float, default=60.0)
   p.add_argument("--factor", type=float, default=4.0)
   p.add_argument("--slow_workers", default="0,1")
@@ -260,7 +262,7 @@ def main(argv=None):
     json.dump({"window_seconds": args.window_s,
                "workers": {w: [1, args.factor, 1] for w in args.slow_workers.split(",")}}, f)
   rows = []
-  for seed in range(args.seeds):
+  for seed in range(args.first_seed, args.first_seed + args.seeds):
     runs = {}
     for mode in args.modes.split(","):
       model_dir = os.path.join(args.out, f"{mode}_{seed}")
