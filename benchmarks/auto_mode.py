@@ -294,8 +294,13 @@ def main(argv=None):
 
 
 def _simulated_into(row: dict, auto_summary: dict, args) -> None:
+  """The simulator's figures for a seed's row, and the real seconds they are compared with: the
+  training loops', for auto plus its switches' measured cost."""
   row["auto_switches"] = real_switches(auto_summary)
   row["simulated"] = simulate(auto_summary, args)
+  for mode in [m for m in ("sync", "gba", "auto") if m in row]:
+    row[mode]["real_seconds_for_simulator"] = row[mode]["train_seconds"] + (
+        (row["auto"].get("switch_seconds") or 0.0) if mode == "auto" else 0.0)
 
 
 def _report_again(args):
@@ -357,10 +362,7 @@ def _report(rows, args):
     for row in sim_rows:
       sim = row["simulated"]
       for mode in [m for m in args.modes.split(",") if m in row]:
-        r = row[mode]
-        real = r["train_seconds"] + (row["auto"].get("switch_seconds") or 0.0
-                                     if mode == "auto" else 0.0)
-        row[mode]["real_seconds_for_simulator"] = real
+        real = row[mode]["real_seconds_for_simulator"]
         sw = ("", "")
         if mode == "auto":
           sw = tuple(", ".join(f"{x['from']}->{x['to']} {x['training_s']:.0f} s" for x in xs)
