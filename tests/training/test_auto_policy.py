@@ -318,26 +318,61 @@ def test_simulator_replays_each_modes_own_step_times():
   eff = {"sync": 0.75, "gba": 0.85}
   rule = dict(margin=0.1, hysteresis=0.05, dwell_s=0.0, confirm=1)
   cfg = PolicyConfig(horizon_s=60.0, switch_cost_s=20.0, **rule)
-  mode, policy, want = "sync", None, []
+  mode, policy, want, base = "sync", None, [], {}
   for i in range(30):  # the job: it sees the current mode's own step times only
     if policy is None:
-      policy = AutoPolicy(cfg, mode, 256, eff, [20.0])
+      policy = AutoPolicy(cfg, mode, 256, eff, [20.0], base_step_s=base)
       continue
     d = observe(policy, float(i), times[mode][i], eff[mode])
     if d is not None:
-      want.append((i, d["from"], d["to"]))
+      want.append((i, d["from"], d["to"], round(d["other_step_scale"], 6)))
+      base = dict(base, **{mode: policy.stay_base_step_s()})  # as auto_job learns it
       mode, policy = d["to"], None
   got = simulate_auto.replay(times, 5.0, 256, eff, 20.0, horizon_s=60.0, **rule)
-  assert [(d["interval"], d["from"], d["to"]) for d in got.decisions] == want
-  # By hand: quiet Sync (7,680) expects GBA at 10,240 x 0.85 = 8,704 from Sync's times: saves
-  # 8 s < 20 s, stays; in the window Sync measures 1,920 and expects GBA at 6,400 x 0.85 = 5,440:
-  # switches at interval 10. In GBA, from GBA's own (3x) times: quiet GBA 3,413 x 0.85 = 2,901
-  # against Sync expected at 3,413 x 0.75 = 2,560: it stays. Each interval trains at its own
-  # mode's model from that mode's times.
-  assert want == [(10, "sync", "gba")]
-  assert got.modes == ["sync"] * 11 + ["gba"] * 19
+  assert [(d["interval"], d["from"], d["to"], round(d["step_scale"], 6))
+          for d in got.decisions] == want
+  # By hand: quiet Sync (7,680) expects GBA at 10,240 x 0.85 = 8,704 from Sync's own times (GBA
+  # not visited: scale 1): saves 8 s < 20 s, stays; in the window Sync measures 1,920 and
+  # expects GBA at 6,400 x 0.85 = 5,440: switches at interval 10. In GBA, Sync's times are GBA's
+  # x 0.1 / 0.3 (the fastest workers' step times): in the window [0.4, 0.4, 0.1, 0.1], Sync
+  # expected at 2,560 x 0.75 = 1,920 against GBA's 256 x (2 / 1.2 + 2 / 0.3) x 0.85 = 1,813:
+  # it wants Sync, but 60 s x (1,920 / 1,813 - 1) = 3.5 s saved < 20 s; after the window GBA
+  # measures 2,901 against Sync's 7,680: back to Sync at interval 20, where GBA is expected at
+  # 3,413 x 0.85 = 2,901 from Sync's times x 3: it stays.
+  assert want == [(10, "sync", "gba", 1.0), (20, "gba", "sync", round(1 / 3, 6))]
+  assert got.modes == ["sync"] * 11 + ["gba"] * 10 + ["sync"] * 9
   gba_quiet, gba_slow = 256 * 4 / 0.3 * 0.85, 256 * (2 / 1.2 + 2 / 0.3) * 0.85
-  assert got.examples == pytest.approx(5.0 * (10 * 7680 + 1920 + 9 * gba_slow + 10 * gba_quiet))
+  assert got.examples == pytest.approx(
+      5.0 * (10 * 7680 + 1920 + 9 * gba_slow + gba_quiet + 9 * 7680))
+
+
+def test_other_modes_step_times_are_scaled_by_the_base_step_times():
+  # In GBA with Sync's base step time known (0.01 s) and this stay's fastest worker at 0.03 s
+  # (the median over its observations, this one included): Sync predicted from these times
+  # x 1/3, by a NumPy reference of the model (Sync paced by the slowest, GBA the sum of rates).
+  cfg = PolicyConfig(switch_cost_s=0.0, dwell_s=0.0, confirm=1)
+  policy = AutoPolicy(cfg, "gba", 100, {"sync": 0.8, "gba": 0.9}, base_step_s={"sync": 0.01})
+  observed = [[0.03, 0.031, 0.05], [0.029, 0.04, 0.06], [0.032, 0.033, 0.09]]
+  for i, t in enumerate(observed):
+    measured = 0.9 * 100 * np.sum(1.0 / np.asarray(t))
+    d = policy.observe(float(i), t, measured)
+    base_gba = np.median([min(o) for o in observed[:i + 1]])
+    scale = 0.01 / base_gba
+    sync_expected = 0.8 * 3 * 100 / (max(t) * scale)
+    rec = policy.observations[-1]
+    assert rec["other_step_scale"] == pytest.approx(scale)
+    assert rec["expected_sync_qps"] == pytest.approx(sync_expected)
+    assert rec["expected_gain"] == pytest.approx(measured / sync_expected)
+    # The model's gain is still that of these times alone (what the simulator predicts).
+    assert rec["predicted_gain"] == pytest.approx(np.sum(1.0 / np.asarray(t)) * max(t) / 3)
+  assert policy.stay_base_step_s() == pytest.approx(0.03)
+  # Before the other mode has had a stay: scale 1.
+  fresh = AutoPolicy(cfg, "gba", 100, {"sync": 0.8, "gba": 0.9})
+  fresh.observe(0.0, observed[0], 1000.0)
+  assert fresh.observations[-1]["other_step_scale"] == 1.0
+  assert fresh.observations[-1]["expected_sync_qps"] == pytest.approx(0.8 * 300 / 0.05)
+  # The known base step times travel with the policy.
+  assert AutoPolicy.from_dict(policy.to_dict()).base_step_s == {"sync": 0.01}
 
 
 def test_switch_cost_accounting_by_hand():

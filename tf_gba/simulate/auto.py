@@ -3,10 +3,18 @@ switch cost: what the job would decide, and what its run would cost, without run
 
 `expected_qps` and `saved_seconds` are the arithmetic of `tf_gba.training.auto_policy` (which
 uses them): a mode's expected QPS is its model QPS (`predicted_qps`) times its efficiency, the
-current mode's is what it measured. `replay` walks a sequence of logging intervals (each a
-vector of the workers' own step times, `interval_s` seconds of training) through the same rule:
-the current mode's measured QPS is its model QPS times its efficiency, the first interval of each
-stay is not an observation (start-up), and a switch stops training for `switch_cost_s` seconds.
+current mode's is what it measured. A step's own time depends on the mode (a GBA step holds its
+parameter-server round trips, a Sync step not its all-reduce), so the other mode's model QPS is
+predicted from the current step times scaled by `step_scale`: the ratio of the two modes' base
+step times (each the fastest worker's median step time, `base_step_seconds`: the current mode's
+over this stay so far, the other's over its last stay), 1 until the other has had a stay. The
+fastest worker's, so that stragglers in one stay and not the other do not enter the ratio; a
+ratio, because a slowdown stretches a step's whole own time.
+
+`replay` walks a sequence of logging intervals (each a vector of the workers' own step times,
+`interval_s` seconds of training) through the same rule: the current mode's measured QPS is its
+model QPS times its efficiency, the first interval of each stay is not an observation
+(start-up), and a switch stops training for `switch_cost_s` seconds.
 Intervals are on the workers' training clock (a trace's clock, which a switch does not advance).
 """
 
@@ -25,18 +33,35 @@ def other_mode(mode: str) -> str:
   return GBA if mode == SYNC else SYNC
 
 
+def base_step_seconds(step_seconds: Sequence) -> Optional[float]:
+  """A stay's base step time: the median over its intervals ([intervals, N] per-worker step
+  times) of the fastest worker's; None for no interval."""
+  rows = [np.min(np.asarray(t, np.float64)) for t in step_seconds]
+  return float(np.median(rows)) if rows else None
+
+
+def step_scale(base: Dict[str, Optional[float]], mode: str) -> float:
+  """What the other mode's step times are, as a multiple of `mode`'s: the ratio of their base
+  step times, 1 until both are known (None or absent)."""
+  own, other = base.get(mode), base.get(other_mode(mode))
+  return float(other) / float(own) if own and other else 1.0
+
+
 def expected_qps(step_seconds, local_batch_size: int, mode: str, measured_qps: float,
-                 efficiency: Dict[str, float]) -> dict:
+                 efficiency: Dict[str, float], scale: float = 1.0) -> dict:
   """Both modes' expected QPS while training in `mode`: its own measured (model QPS times its
-  efficiency if `measured_qps` is None: efficiencies held), the other's model QPS times its
-  efficiency; with the model's QPS and gain (`predicted_qps`)."""
-  model = predicted_qps(step_seconds, local_batch_size)
-  model_qps = {SYNC: model["sync_qps"], GBA: model["gba_qps"]}
+  efficiency if `measured_qps` is None: efficiencies held), the other's model QPS from the step
+  times times `scale` (`step_scale`), times its efficiency; with the model's QPS and, from the
+  step times alone, the model's gain (`predicted_qps`)."""
+  times = np.asarray(step_seconds, np.float64)
+  model = predicted_qps(times, local_batch_size)
   other = other_mode(mode)
+  other_model = model if scale == 1.0 else predicted_qps(times * scale, local_batch_size)
+  model_qps = {mode: model[f"{mode}_qps"], other: other_model[f"{other}_qps"]}
   own = model_qps[mode] * efficiency[mode] if measured_qps is None else float(measured_qps)
   expected = {mode: own, other: model_qps[other] * efficiency[other]}
   return {"model": model_qps, "model_gain": model["gain"], "expected": expected,
-          "gain": expected[GBA] / expected[SYNC]}
+          "gain": expected[GBA] / expected[SYNC], "scale": float(scale)}
 
 
 def saved_seconds(expected: Dict[str, float], mode: str, horizon_s: float) -> float:
@@ -67,12 +92,15 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
   observation whatever the gain (a decision with `probe` True), and the second stay may be left
   after `probe_s` seconds instead of `dwell_s`. `assumed_efficiency`: what the job assumes of a
   mode before its first stay (the flags; default `efficiency`): a mode observed in a stay is
-  known at its true `efficiency` from that stay's end on, as the job learns it.
+  known at its true `efficiency` from that stay's end on, as the job learns it, and so is its
+  base step time (`base_step_seconds` of the stay's observed intervals).
   """
   horizon = max(horizon_s, dwell_s)
   mode, in_mode, agreeing, first = start, 0.0, 0, True
   probe = "first" if probe_s > 0 else None
   known = dict(efficiency if assumed_efficiency is None else assumed_efficiency)
+  base: Dict[str, Optional[float]] = {}
+  observed: List = []  # this stay's observed intervals' step times
   decisions, modes = [], []
   seconds = examples = 0.0
   per_mode = {m: np.asarray(step_seconds[m] if isinstance(step_seconds, dict) else step_seconds,
@@ -88,7 +116,10 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
     if first:  # start-up and tracing: not an observation
       first = False
       continue
-    e = expected_qps(times, local_batch_size, mode, qps, known)
+    observed.append(times)
+    # This mode's base step time from this stay so far, the other's from its last stay.
+    e = expected_qps(times, local_batch_size, mode, qps, known,
+                     step_scale(dict(base, **{mode: base_step_seconds(observed)}), mode))
     saved = saved_seconds(e["expected"], mode, horizon)
     wants = e["gain"] >= 1 + margin if mode == SYNC else e["gain"] < 1 + margin - hysteresis
     agreeing = agreeing + 1 if wants and saved > switch_cost_s else 0
@@ -99,9 +130,10 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
     if switch:
       decisions.append({"interval": i, "from": mode, "to": other_mode(mode),
                         "expected_gain": e["gain"], "saved_s": saved,
-                        "probe": probe == "first"})
+                        "step_scale": e["scale"], "probe": probe == "first"})
       known[mode] = efficiency[mode]  # the stay's measured efficiency, learned at its end
-      mode, in_mode, agreeing, first = other_mode(mode), 0.0, 0, True
+      base[mode] = base_step_seconds(observed)
+      mode, in_mode, agreeing, first, observed = other_mode(mode), 0.0, 0, True, []
       seconds += switch_cost_s
       probe = "second" if probe == "first" else None
   return Replay(decisions, modes, seconds, examples)

@@ -236,6 +236,7 @@ def run(config: TrainConfig) -> dict:
   done_steps = 0
   stays, switches, timeline = [], [], []
   efficiency = policy_cfg.initial_efficiency()
+  base_step_s = {}  # each mode's base step time, from its last stay
   summary = None
   while remaining > 0:
     stay = dataclasses.replace(base, mode=mode, steps=remaining)
@@ -246,7 +247,8 @@ def run(config: TrainConfig) -> dict:
     probe = probe_role(policy_cfg, len(stays), switches)
     policy = auto_policy.AutoPolicy(policy_cfg, mode, config.local_batch_size, efficiency,
                                     switch_costs(switches),
-                                    switches[-1]["decided_unix"] if switches else None, probe)
+                                    switches[-1]["decided_unix"] if switches else None, probe,
+                                    base_step_s)
     stay_t0 = time.time()
     if switches and "next_call_unix" not in switches[-1]:
       switches[-1]["next_call_unix"] = stay_t0
@@ -262,7 +264,9 @@ def run(config: TrainConfig) -> dict:
       decision, points = watch.decision, watch.timeline
       observations = policy.observations
       phases = getattr(watch.job, "phase_unix", {}) if watch.job is not None else {}
-      info = {"efficiency": policy.stay_efficiency(), "train_begin_unix": watch.train_begin_unix,
+      info = {"efficiency": policy.stay_efficiency(),
+              "base_step_s": policy.stay_base_step_s(),
+              "train_begin_unix": watch.train_begin_unix,
               "skipped": policy.skipped, "started_unix": phases.get("started"),
               "restored_unix": phases.get("restored"), "first_step_unix": watch.first_step_unix,
               "checkpoint_begin_unix": phases.get("checkpoint_begin"),
@@ -274,13 +278,16 @@ def run(config: TrainConfig) -> dict:
     stay_efficiency = info.get("efficiency")
     if policy_cfg.learn_efficiency and stay_efficiency is not None:
       efficiency = dict(efficiency, **{mode: stay_efficiency})
+    if info.get("base_step_s"):
+      base_step_s = dict(base_step_s, **{mode: info["base_step_s"]})
     trained = int(summary["steps"])
     stays.append({"mode": mode, "probe": probe, "start_step": done_steps, "steps": trained,
                   "start_seconds": stay_t0 - t_start, "seconds": returned - stay_t0,
                   "train_seconds": summary["wall_seconds"], "global_qps": summary["global_qps"],
                   "start_global_step": summary["start_global_step"],
                   "global_step": summary["global_step"],
-                  "efficiency": stay_efficiency, "observations": len(observations),
+                  "efficiency": stay_efficiency, "base_step_s": info.get("base_step_s"),
+                  "observations": len(observations),
                   "skipped_observations": info.get("skipped", 0),
                   "step_seconds": [o["per_worker_step_seconds"] for o in observations]})
     timeline += [{"seconds": p["unix"] - t_start, "mode": mode, "qps": p["qps"],
@@ -303,7 +310,8 @@ def run(config: TrainConfig) -> dict:
           "expected_sync_qps": decision["expected_sync_qps"],
           "expected_gba_qps": decision["expected_gba_qps"],
           "measured_qps": decision["measured_qps"], "efficiency": decision["efficiency"],
-          "other_efficiency": decision["other_efficiency"], "saved_s": decision["saved_s"],
+          "other_efficiency": decision["other_efficiency"],
+          "other_step_scale": decision["other_step_scale"], "saved_s": decision["saved_s"],
           "horizon_s": decision["horizon_s"],
           "expected_switch_cost_s": decision["switch_cost_s"], "cost_s": None,
           "per_worker_step_seconds": decision["per_worker_step_seconds"],
@@ -326,6 +334,7 @@ def run(config: TrainConfig) -> dict:
       "global_qps": done_steps * config.local_batch_size / max(wall, 1e-9),
       "switches": switches, "num_switches": len(switches), "stays": stays,
       "switch_seconds": sum(switch_costs(switches)), "efficiency": efficiency,
+      "base_step_s": base_step_s,
       "timeline": timeline, "stragglers": config.stragglers,
       "policy": dataclasses.asdict(policy_cfg)})
   summary_lib.write(config.model_dir, out)

@@ -17,6 +17,13 @@ trips) and is known only by running them:
                              before its first stay `sync_efficiency` / `gba_efficiency`)
   expected gain            = expected GBA QPS / expected Sync QPS
 
+A step's own time depends on the mode: a GBA step holds its parameter-server round trips, a Sync
+step not its all-reduce (here, with no compute floor, about 22 ms against 7.6 ms). So the other
+mode's model QPS is computed from this interval's step times scaled by the ratio of the modes'
+base step times (each the fastest worker's median step time: the current mode's over this stay
+so far, the other's over its last stay; 1 until the other has had a stay). Without it a job in
+GBA predicts Sync from GBA's longer steps, and stays in GBA where Sync is faster.
+
 The job wants the other mode when
 
   Sync -> GBA   the expected gain is at least 1 + margin,
@@ -137,12 +144,16 @@ class AutoPolicy:
   moves to the other mode after probe_s seconds and one observation whatever the gain (the
   decision has `probe` True); "second", the other mode has just been probed, and this one may be
   left after probe_s seconds instead of dwell_s, by the usual rule.
+
+  `base_step_s`: each mode's base step time as the job knows it (`stay_base_step_s` of its last
+  stay; absent before one), from which the other mode's step times are predicted.
   """
 
   def __init__(self, config: PolicyConfig, mode: str, local_batch_size: int,
                efficiency: Optional[Dict[str, float]] = None,
                costs: Sequence[float] = (), decided_unix: Optional[float] = None,
-               probe: Optional[str] = None):
+               probe: Optional[str] = None,
+               base_step_s: Optional[Dict[str, float]] = None):
     if mode not in MODES:
       raise ValueError(f"auto switches between {SYNC!r} and {GBA!r}, got {mode!r}.")
     self.config = config
@@ -155,6 +166,7 @@ class AutoPolicy:
     if probe not in (None, "first", "second"):
       raise ValueError(f"probe is None, 'first' or 'second', got {probe!r}.")
     self.probe = probe
+    self.base_step_s = {m: float(v) for m, v in (base_step_s or {}).items() if v}
     self._agreeing = 0
     self.observations: List[dict] = []
     self.skipped = 0  # intervals without a usable step time (no step timed)
@@ -173,12 +185,13 @@ class AutoPolicy:
     """What a process that evaluates this policy elsewhere needs (`from_dict`)."""
     return {"config": dataclasses.asdict(self.config), "mode": self.mode,
             "local_batch_size": self.local_batch_size, "efficiency": self.efficiency,
-            "costs": self.costs, "decided_unix": self.decided_unix, "probe": self.probe}
+            "costs": self.costs, "decided_unix": self.decided_unix, "probe": self.probe,
+            "base_step_s": self.base_step_s}
 
   @classmethod
   def from_dict(cls, d: dict) -> "AutoPolicy":
     return cls(PolicyConfig(**d["config"]), d["mode"], d["local_batch_size"], d["efficiency"],
-               d["costs"], d["decided_unix"], d.get("probe"))
+               d["costs"], d["decided_unix"], d.get("probe"), d.get("base_step_s"))
 
   def wants_other_mode(self, gain: float) -> bool:
     if self.mode == SYNC:
@@ -191,21 +204,30 @@ class AutoPolicy:
       return None
     return float(np.mean([o["efficiency"] for o in self.observations]))
 
+  def stay_base_step_s(self) -> Optional[float]:
+    """This stay's base step time: the median of its observations' fastest worker's step time
+    (None before any)."""
+    return auto_sim.base_step_seconds([o["per_worker_step_seconds"] for o in self.observations])
+
   def observe(self, trained_s: float, step_seconds, measured_qps: float) -> Optional[dict]:
     times = np.asarray(step_seconds, np.float64)
     if times.size == 0 or not np.all(np.isfinite(times) & (times > 0)) or not measured_qps > 0:
       # No step timed in the interval (nothing to predict from): not an observation.
       self.skipped += 1
       return None
+    per_worker = times if times.ndim == 1 else times.mean(axis=0)
+    # This mode's base step time from this stay so far (this interval included), the other's
+    # from its last stay.
+    base = dict(self.base_step_s, **{self.mode: auto_sim.base_step_seconds(
+        [o["per_worker_step_seconds"] for o in self.observations] + [per_worker])})
     # Efficiencies held (not learned): the current mode too is its model QPS times its own.
     e = auto_sim.expected_qps(times, self.local_batch_size, self.mode,
                               measured_qps if self.config.learn_efficiency else None,
-                              self.efficiency)
+                              self.efficiency, auto_sim.step_scale(base, self.mode))
     model_qps, expected, gain = e["model"], e["expected"], e["gain"]
     saved_s = auto_sim.saved_seconds(expected, self.mode, self.config.horizon)
     wants, pays = self.wants_other_mode(gain), saved_s > self.switch_cost_s
     self._agreeing = self._agreeing + 1 if wants and pays else 0
-    per_worker = times if times.ndim == 1 else times.mean(axis=0)
     record = {"trained_s": float(trained_s), "mode": self.mode,
               "measured_qps": float(measured_qps),
               "efficiency": float(measured_qps) / model_qps[self.mode],
@@ -215,6 +237,8 @@ class AutoPolicy:
               "expected_sync_qps": expected[SYNC], "expected_gba_qps": expected[GBA],
               "expected_gain": gain,
               "other_efficiency": self.efficiency[self.other],
+              # The other mode's step times as a multiple of these (1 before its first stay).
+              "other_step_scale": e["scale"],
               "saved_s": saved_s, "switch_cost_s": self.switch_cost_s,
               "horizon_s": self.config.horizon, "wants": wants, "pays": pays,
               "per_worker_step_seconds": [float(x) for x in per_worker]}
@@ -248,7 +272,8 @@ def describe(decision: dict) -> str:
   return (f"auto: switching {decision['from']} -> {decision['to']}: expected gain "
           f"{decision['expected_gain']:.2f} {op} {decision['threshold']:.2f} (GBA "
           f"{decision['expected_gba_qps']:,.0f} vs Sync {decision['expected_sync_qps']:,.0f} "
-          f"QPS; {decision['to']} at efficiency {decision['other_efficiency']:.2f} of its model, "
+          f"QPS; {decision['to']} at efficiency {decision['other_efficiency']:.2f} of its model "
+          f"on {decision.get('other_step_scale', 1.0):.2f}x these steps' times, "
           f"{decision['from']} measured at {decision['efficiency']:.2f}); saves "
           f"{decision['saved_s']:.1f} s over {decision['horizon_s']:g} s > switch cost "
           f"{decision['switch_cost_s']:.1f} s; model gain {decision['predicted_gain']:.2f}, "

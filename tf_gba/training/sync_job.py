@@ -474,7 +474,8 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None,
   if policy is not None:
     result["auto"] = {"decision": decision, "observations": policy.observations,
                       "timeline": timeline, "skipped": policy.skipped,
-                      "efficiency": policy.stay_efficiency(), "started_unix": started_unix,
+                      "efficiency": policy.stay_efficiency(),
+                      "base_step_s": policy.stay_base_step_s(), "started_unix": started_unix,
                       "restored_unix": restored_unix, "train_begin_unix": begin_unix,
                       # When this worker began its first step (tracing done; the op's clock).
                       "first_step_unix": stats["first_step_unix"] or None,
