@@ -192,12 +192,13 @@ def plot_timeline(summary: dict, path: str, window_s: float) -> None:
                label=f"{mode} (shaded: the process set of the stay in {mode})")
   top = max(p["qps"] for p in summary["timeline"]) * 1.1
   ax.set_ylim(0, top * 1.12)
-  for sw in summary["switches"]:
+  for i, sw in enumerate(summary["switches"]):
     decided = sw.get("decided_at_seconds") or sw["at_seconds"]
     ax.axvline(decided, color="k", lw=0.8, ls="--")
     gain = sw.get("expected_gain", sw["predicted_gain"])  # what it decided on (model's: older)
-    ax.annotate(f"{sw['from']}->{sw['to']} decided\nexpected gain {gain:.2f}",
-                (decided, top * 1.1), fontsize=8, ha="right", va="top")
+    # Left and right of their lines in turn: two switches close together stay readable.
+    ax.annotate(f" {sw['from']}->{sw['to']} decided \n expected gain {gain:.2f} ",
+                (decided, top * 1.1), fontsize=8, ha="left" if i % 2 else "right", va="top")
   ax.set_xlabel("seconds since the job started (switches included)")
   ax.set_ylabel("QPS over the last interval")
   ax.set_title(f"--mode=auto on a trace: stragglers in the worker-clock window "
