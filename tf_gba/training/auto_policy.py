@@ -273,7 +273,7 @@ def describe(decision: dict) -> str:
           f"{decision['expected_gain']:.2f} {op} {decision['threshold']:.2f} (GBA "
           f"{decision['expected_gba_qps']:,.0f} vs Sync {decision['expected_sync_qps']:,.0f} "
           f"QPS; {decision['to']} at efficiency {decision['other_efficiency']:.2f} of its model "
-          f"on {decision.get('other_step_scale', 1.0):.2f}x these steps' times, "
+          f"on {decision['other_step_scale']:.2f}x these steps' times, "
           f"{decision['from']} measured at {decision['efficiency']:.2f}); saves "
           f"{decision['saved_s']:.1f} s over {decision['horizon_s']:g} s > switch cost "
           f"{decision['switch_cost_s']:.1f} s; model gain {decision['predicted_gain']:.2f}, "
