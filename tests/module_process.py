@@ -11,7 +11,9 @@ starts, get that for free.
 
 The parent pytest collects as usual (so -k, -x, node ids and the progress line behave as users
 expect), runs each module's selected tests in one child pytest and replays the child's reports as
-its own, in collection order. Up to --module-jobs children (TF_GBA_TEST_JOBS; default: one more
+its own, in collection order. A child is a fork of one process that has imported TensorFlow and
+tf_gba already (`_forker`), not a new interpreter: each would otherwise spend ~6 CPU-seconds
+importing them, over a hundred times a run. Up to --module-jobs children (TF_GBA_TEST_JOBS; default: one more
 than the CPUs, at most 4) run at once: a child spends ~6.5 s starting TensorFlow and most cluster
 tests wait on sleeping servers, so one child at a time left the CPUs idle most of a run. Children
 start slowest module first (_KNOWN_SECONDS), so the run does not end waiting on one long module
@@ -26,6 +28,7 @@ import collections
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -281,6 +284,27 @@ class _Scheduler:
       json.dump(relative, f, indent=1)
 
 
+def _forker():
+  """The process the children are forked from, or None (TF_GBA_FORK_SERVERS=0).
+
+  It has imported TensorFlow and tf_gba and loaded the op libraries (about 6 CPU-seconds on
+  this machine): every child would pay that again, over a hundred times a run. It is the local
+  clusters' server forker (tf_gba.distribute.server_forker), for the same reason; a child forked
+  from it starts as clean as a new interpreter would (no TensorFlow context, no server).
+  """
+  from tf_gba.distribute import server_forker  # pylint: disable=g-import-not-at-top
+  if not server_forker.enabled():
+    return None
+  return server_forker.for_env(dict(os.environ), tempfile.gettempdir())
+
+
+def _signal(proc, signum):
+  try:
+    os.kill(proc.pid, signum)
+  except ProcessLookupError:
+    pass
+
+
 class _Child:
   """One module's selected tests in a child pytest."""
 
@@ -293,17 +317,23 @@ class _Child:
       json.dump(nodeids, f)
     self._reports_path = os.path.join(self._tmp, "reports.jsonl")
     self._output_path = os.path.join(self._tmp, "output.txt")
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-            f"--rootdir={config.rootpath}", f"--tf-gba-child-only={only}",
-            f"--tf-gba-child-reports={self._reports_path}", module]
+    args = ["-q", "-p", "no:cacheprovider", f"--rootdir={config.rootpath}",
+            f"--tf-gba-child-only={only}", f"--tf-gba-child-reports={self._reports_path}", module]
     shown = config.option.capture == "no"  # -s: the child's output goes to the terminal
     self._start = time.monotonic()
     self.seconds = None
-    with open(self._output_path, "w", encoding="utf-8") as out:
-      self._proc = subprocess.Popen(
-          args + (["-s"] if shown else []), cwd=str(config.invocation_params.dir),
-          stdout=None if shown else out, stderr=None if shown else subprocess.STDOUT,
-          stdin=subprocess.DEVNULL)
+    cwd = str(config.invocation_params.dir)
+    forker = None if shown else _forker()
+    if forker is not None:
+      open(self._output_path, "w", encoding="utf-8").close()
+      self._proc = forker.spawn("pytest", args, self._output_path, dict(os.environ),
+                                module="pytest", cwd=cwd, run_atexit=True)
+    else:
+      with open(self._output_path, "w", encoding="utf-8") as out:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest"] + args + (["-s"] if shown else []), cwd=cwd,
+            stdout=None if shown else out, stderr=None if shown else subprocess.STDOUT,
+            stdin=subprocess.DEVNULL)
 
   def poll(self):
     returncode = self._proc.poll()
@@ -314,11 +344,11 @@ class _Child:
   def kill(self):
     """Stops the child (its servers exit with it); SIGTERM first, so it can stop its clusters."""
     if self._proc.poll() is None:
-      self._proc.terminate()
+      _signal(self._proc, signal.SIGTERM)
       try:
         self._proc.wait(timeout=15)
       except subprocess.TimeoutExpired:
-        self._proc.kill()
+        _signal(self._proc, signal.SIGKILL)
         self._proc.wait()
     shutil.rmtree(self._tmp, ignore_errors=True)
 

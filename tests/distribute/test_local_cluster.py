@@ -152,6 +152,49 @@ def test_a_warmed_forker_is_the_one_the_cluster_forks_from(tmp_path):
   assert (tmp_path / "server_forker.log").exists()
 
 
+_PREFORKED = """
+import os, sys
+import tensorflow as tf
+from tf_gba.distribute import LocalCluster, local_cluster, server_forker
+
+def parent(pid):
+  return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+
+# Another import-time environment than this process's: not a fork of it (no forker yet).
+other = dict(local_cluster.server_env(), TF_CPP_MIN_LOG_LEVEL="1")
+print("OTHER", server_forker.prefork(other, sys.argv[1]))
+print("FORKED", local_cluster.prefork_forker(sys.argv[1]), local_cluster.prefork_forker())
+(forker,) = [f._proc.pid for f in server_forker._FORKERS.values()]
+fds = sorted(int(fd) for fd in os.listdir(f"/proc/{forker}/fd"))
+print("FORKER", parent(forker) == os.getpid(), len(fds), fds[:3], flush=True)
+with LocalCluster(num_ps=1, num_workers=1) as c:
+  print("SERVERS", [parent(p) == forker for p in c.pids], flush=True)
+  strategy = tf.distribute.experimental.ParameterServerStrategy(c.resolver())
+  with strategy.scope():
+    v = tf.Variable(2.0)
+  print("VALUE", float(v.assign_add(1.5).numpy()), flush=True)
+"""
+
+
+def test_a_preforked_forker_is_a_fork_of_the_process_and_serves_its_clusters(tmp_path):
+  """local_cluster.prefork_forker (the training binary's job calls it after importing
+  TensorFlow): the forker is a fork of this process holding only its protocol pipes besides
+  stdin, stdout and stderr (not the caller's files: a server holding the caller's stdout pipe
+  would keep its reader waiting), the LocalCluster's servers are its children and work; a second
+  call, or one for another import-time environment, forks nothing."""
+  proc = subprocess.run([sys.executable, "-c", _PREFORKED, str(tmp_path)], cwd=_ROOT,
+                        capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, TF_GBA_FORK_SERVERS="1", PYTHONPATH=_ROOT))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = dict(l.split(" ", 1) for l in proc.stdout.splitlines() if " " in l)
+  assert lines["OTHER"] == "False"
+  assert lines["FORKED"] == "True False"
+  assert lines["FORKER"] == "True 5 [0, 1, 2]"
+  assert lines["SERVERS"] == "[True, True]"
+  assert lines["VALUE"] == "3.5"
+  assert (tmp_path / "server_forker.log").exists()
+
+
 def test_one_forker_starting_does_not_hold_up_another_environments(monkeypatch, tmp_path):
   """Starting a forker takes seconds (its TensorFlow import): a cluster of another environment
   (--mode=auto's Sync workers while the parameter servers' forker warms) does not wait for it;
@@ -159,12 +202,16 @@ def test_one_forker_starting_does_not_hold_up_another_environments(monkeypatch, 
   started, release = threading.Event(), threading.Event()
 
   class SlowForker:
-    def __init__(self, env, log_path):
-      del log_path
+    def __init__(self, env):
       self.env = env
       if env["TF_CPP_MIN_LOG_LEVEL"] == "3":
         started.set()
         release.wait(30)
+
+    @classmethod
+    def start(cls, env, log_path):
+      del log_path
+      return cls(env)
 
     def alive(self):
       return True

@@ -138,6 +138,16 @@ def warm_forker(log_dir: str, env: Optional[Dict[str, str]] = None) -> None:
     server_forker.for_env(server_env(env), log_dir)
 
 
+def prefork_forker(log_dir: Optional[str] = None, env: Optional[Dict[str, str]] = None) -> bool:
+  """Makes a fork of this process the server forker a LocalCluster with `env` started later in
+  this process will use (`server_forker.prefork`): for a process that has imported TensorFlow and
+  tf_gba itself and has run no TensorFlow op yet. Saves the forker's own TensorFlow import.
+  `log_dir`: where the forker's log goes. Returns whether it forked."""
+  if log_dir:
+    os.makedirs(log_dir, exist_ok=True)
+  return server_forker.prefork(server_env(env), log_dir)
+
+
 class LocalCluster:
   """Starts `num_ps` parameter servers and `num_workers` workers as local processes.
 

@@ -15,6 +15,11 @@ TensorFlow reads while it is imported (the log level, oneDNN, the Python path) m
 forker's own, so clusters whose environments differ there get a forker each (`for_env`).
 `TF_GBA_FORK_SERVERS=0` turns this off: every server is then a process of its own again.
 
+A process that imports TensorFlow and tf_gba for itself (the training binary's job) need not pay
+the import a second time: `prefork` makes a fork of it, before it runs any TensorFlow op, its
+forker. The test runner forks its module processes from a forker too (tests/module_process.py),
+with `run_atexit`: a test process ends as an interpreter does, its atexit handlers run.
+
 A server keeps what the LocalCluster relies on: its own session (process group) when asked, its
 log as stdout and stderr, its exit with its launcher (here the forker, which exits when the
 process that started it goes), and a name that says which task it is (`/proc/<pid>/comm`:
@@ -25,6 +30,7 @@ Protocol (one JSON object per line): the client writes {"op": "spawn", ...} or {
 its stdout.
 """
 
+import atexit
 import importlib
 import json
 import os
@@ -88,12 +94,19 @@ def _run_child(request, protocol_fds) -> None:
   except BaseException:  # pylint: disable=broad-except
     traceback.print_exc()
   finally:
+    # A process of its own would run its atexit handlers now (a test process: its temporary
+    # files); a server does not ask for them: it ends as its cluster is torn down.
+    if request.get("run_atexit"):
+      try:
+        atexit._run_exitfuncs()  # pylint: disable=protected-access
+      except BaseException:  # pylint: disable=broad-except
+        traceback.print_exc()
     for stream in (sys.stdout, sys.stderr):
       try:
         stream.flush()
       except (OSError, ValueError):
         pass
-    os._exit(code)  # pylint: disable=protected-access
+    os._exit(int(code or 0))  # pylint: disable=protected-access
 
 
 def _serve(proto_in: int, proto_out: int) -> None:
@@ -150,15 +163,56 @@ def main() -> int:
   os.dup2(2, 1)
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops the servers, not Ctrl-C
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  _preload()
+  os.write(proto_out, b'{"ready": true}\n')
+  _serve(proto_in, proto_out)
+  return 0
+
+
+def _preload() -> None:
+  """What every server needs imported and loaded: TensorFlow, tf_gba and its op libraries."""
   import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
   import tf_gba  # pylint: disable=g-import-not-at-top,unused-import
   from tf_gba.data import data_list  # pylint: disable=g-import-not-at-top,unused-import
   from tf_gba.distribute import server  # pylint: disable=g-import-not-at-top,unused-import
   from tf_gba.ops import loader  # pylint: disable=g-import-not-at-top
   loader.load_all()
-  os.write(proto_out, b'{"ready": true}\n')
-  _serve(proto_in, proto_out)
-  return 0
+
+
+def _become_forker(proto_in: int, proto_out: int, log_path: Optional[str]) -> None:
+  """In a fork of a client process (`prefork`): becomes what `main` makes of a new process; never
+  returns."""
+  code = 1
+  try:
+    os.setsid()  # as the client starts a forker: its own session
+    _name_process("server_forker")  # not the client's name (`ps`, the fault drills' process tree)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client stops the servers, not Ctrl-C
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+      signal.signal(sig, signal.SIG_DFL)  # not the client's handlers (the binary's interrupt)
+    # Nothing of the client's open files: a server holding the client's stdout pipe open would
+    # keep whoever reads it waiting past the client's exit.
+    keep = sorted({proto_in, proto_out})
+    low = 3
+    for fd in keep + [os.sysconf("SC_OPEN_MAX")]:
+      if fd >= low:
+        os.closerange(low, fd)
+        low = fd + 1
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    if log_path:
+      log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+      os.dup2(log, 2)
+      os.close(log)
+    os.dup2(2, 1)
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # the client may have replaced them
+    os.write(proto_out, b'{"ready": true}\n')
+    _serve(proto_in, proto_out)
+    code = 0
+  except BaseException:  # pylint: disable=broad-except
+    traceback.print_exc()
+  finally:
+    os._exit(code)  # pylint: disable=protected-access
 
 
 # ---- the client (in the LocalCluster's process) ------------------------------------------------
@@ -182,17 +236,55 @@ class ForkedServer:
     return self.returncode
 
 
+class _ForkedProcess:
+  """A forker forked from this process (`prefork`): what Forker uses of a `subprocess.Popen`."""
+
+  def __init__(self, pid: int, stdin_fd: int, stdout_fd: int):
+    self.pid, self.returncode = pid, None
+    self.stdin = os.fdopen(stdin_fd, "wb")
+    self.stdout = os.fdopen(stdout_fd, "rb")
+
+  def poll(self) -> Optional[int]:
+    if self.returncode is None:
+      try:
+        pid, status = os.waitpid(self.pid, os.WNOHANG)
+      except ChildProcessError:  # reaped elsewhere
+        pid, status = self.pid, 0
+      if pid:
+        self.returncode = os.waitstatus_to_exitcode(status)
+    return self.returncode
+
+  def wait(self) -> int:
+    while self.poll() is None:
+      time.sleep(0.02)
+    return self.returncode
+
+  def kill(self) -> None:
+    try:
+      os.kill(self.pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+
+
 class Forker:
   """One forker process; `spawn` starts a server as its fork."""
 
-  def __init__(self, env: Dict[str, str], log_path: str, start_timeout: float = 120.0):
+  def __init__(self, proc, log_path: Optional[str], start_timeout: float = 120.0):
+    """`proc`: the forker's process (a `subprocess.Popen` of this module, or a _ForkedProcess),
+    its stdin and stdout the protocol's pipes; waits for its "ready"."""
     self._lock = threading.Lock()
     self._log_path = log_path
+    self._proc = proc
+    self._reply(start_timeout)
+
+  @classmethod
+  def start(cls, env: Dict[str, str], log_path: str, start_timeout: float = 120.0) -> "Forker":
+    """A new process `python -m tf_gba.distribute.server_forker` with environment `env`."""
     with open(log_path, "ab") as log:
-      self._proc = subprocess.Popen(
+      proc = subprocess.Popen(
           [sys.executable, "-m", "tf_gba.distribute.server_forker"], stdin=subprocess.PIPE,
           stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
-    self._reply(start_timeout)
+    return cls(proc, log_path, start_timeout)
 
   def alive(self) -> bool:
     return self._proc.poll() is None
@@ -206,8 +298,10 @@ class Forker:
                            f"{self._log_path}")
     line = self._proc.stdout.readline()
     if not line:
-      with open(self._log_path, "rb") as f:
-        tail = f.read().decode("utf-8", "replace")[-4000:]
+      tail = "(this process's stderr)"
+      if self._log_path:
+        with open(self._log_path, "rb") as f:
+          tail = f.read().decode("utf-8", "replace")[-4000:]
       raise RuntimeError(f"the server forker exited (code {self._proc.wait()}); its log:\n{tail}")
     return json.loads(line)
 
@@ -219,12 +313,14 @@ class Forker:
 
   def spawn(self, name: str, argv: List[str], log: str, env: Dict[str, str],
             new_session: bool = True, module: str = "tf_gba.distribute.server",
-            cwd: Optional[str] = None) -> ForkedServer:
+            cwd: Optional[str] = None, run_atexit: bool = False) -> ForkedServer:
     """Forks a process running `<module>.main(argv)`, as `python -m <module> argv` would
-    (`tf_gba.distribute.server`, or `tf_gba.distribute.collective_cluster` for its workers)."""
+    (`tf_gba.distribute.server`, or `tf_gba.distribute.collective_cluster` for its workers).
+    `run_atexit`: the child runs its atexit handlers when main returns, as an interpreter does
+    at exit (by default it ends at once, as a server should)."""
     reply = self._ask({"op": "spawn", "name": name, "argv": argv, "log": log, "env": env,
                        "cwd": cwd or os.getcwd(), "new_session": new_session,
-                       "module": module})
+                       "module": module, "run_atexit": run_atexit})
     return ForkedServer(self, reply["pid"])
 
   def returncode(self, pid: int) -> Optional[int]:
@@ -264,18 +360,58 @@ _KEY_LOCKS: Dict[tuple, threading.Lock] = {}  # one per environment: starting on
                                               # does not hold up the clusters of another
 
 
+def _key_lock(env: Dict[str, str]):
+  key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME_PREFIXES)))
+  with _FORKERS_LOCK:
+    return key, _KEY_LOCKS.setdefault(key, threading.Lock())
+
+
 def for_env(env: Dict[str, str], log_dir: str) -> Forker:
   """The forker of this process for servers with environment `env` (started on first use; kept
   for the process's later clusters)."""
-  key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME_PREFIXES)))
-  with _FORKERS_LOCK:
-    key_lock = _KEY_LOCKS.setdefault(key, threading.Lock())
+  key, key_lock = _key_lock(env)
   with key_lock:
     forker = _FORKERS.get(key)
     if forker is None or not forker.alive():
-      forker = Forker(env, os.path.join(log_dir, "server_forker.log"))
+      forker = Forker.start(env, os.path.join(log_dir, "server_forker.log"))
       _FORKERS[key] = forker
     return forker
+
+
+def prefork(env: Dict[str, str], log_dir: Optional[str] = None) -> bool:
+  """Makes a fork of this process, now, its forker for servers with environment `env`.
+
+  For a process that imports TensorFlow and tf_gba for itself anyway (the training binary's job):
+  its forker then costs a fork, not a TensorFlow import of its own (about 6 CPU-seconds, and as
+  many seconds of a job's start on 2 cores). The fork must be as clean as a forker's own start:
+  call this before the process runs a TensorFlow op or starts a server. Only the calling thread
+  is carried into the fork. `log_dir`: where the forker's log goes (None: this process's stderr).
+  Returns whether it forked: not when forking is off, when a forker for `env` runs already, or
+  when what TensorFlow reads at import differs between `env` and this process's environment
+  (the servers then get a forker of their own, as without this call).
+  """
+  if not enabled():
+    return False
+  key, key_lock = _key_lock(env)
+  if key != _key_lock(dict(os.environ))[0]:
+    return False
+  with key_lock:
+    forker = _FORKERS.get(key)
+    if forker is not None and forker.alive():
+      return False
+    _preload()
+    log_path = os.path.join(log_dir, "server_forker.log") if log_dir else None
+    for stream in (sys.stdout, sys.stderr):  # or the fork writes what is buffered a second time
+      stream.flush()
+    request_r, request_w = os.pipe()
+    reply_r, reply_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+      _become_forker(request_r, reply_w, log_path)
+    os.close(request_r)
+    os.close(reply_w)
+    _FORKERS[key] = Forker(_ForkedProcess(pid, request_w, reply_r), log_path)
+    return True
 
 
 if __name__ == "__main__":
