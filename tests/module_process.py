@@ -197,6 +197,11 @@ class _ReportWriter:
 def pytest_configure(config):
   if _is_child(config):
     config.pluginmanager.register(_ReportWriter(config), "tf_gba_report_writer")
+    # The servers of the module's local clusters (if it starts any) will be forks of a fork of
+    # this process, which has imported TensorFlow already: made now, before any test runs an op
+    # (tf_gba.distribute.server_forker.prefork). A module that starts none leaves it idle.
+    from tf_gba.distribute import local_cluster  # pylint: disable=g-import-not-at-top
+    local_cluster.prefork_forker(tempfile.gettempdir())
 
 
 def _relative(config, module):

@@ -173,6 +173,9 @@ with LocalCluster(num_ps=1, num_workers=1) as c:
   with strategy.scope():
     v = tf.Variable(2.0)
   print("VALUE", float(v.assign_add(1.5).numpy()), flush=True)
+# This process has run TensorFlow now: a fork of it would be no clean forker.
+server_forker._FORKERS.clear()
+print("AFTER_OPS", local_cluster.prefork_forker(), flush=True)
 """
 
 
@@ -181,7 +184,8 @@ def test_a_preforked_forker_is_a_fork_of_the_process_and_serves_its_clusters(tmp
   TensorFlow): the forker is a fork of this process holding only its protocol pipes besides
   stdin, stdout and stderr (not the caller's files: a server holding the caller's stdout pipe
   would keep its reader waiting), the LocalCluster's servers are its children and work; a second
-  call, or one for another import-time environment, forks nothing."""
+  call, one for another import-time environment, or one after TensorFlow ran an op here forks
+  nothing."""
   proc = subprocess.run([sys.executable, "-c", _PREFORKED, str(tmp_path)], cwd=_ROOT,
                         capture_output=True, text=True, timeout=300,
                         env=dict(os.environ, TF_GBA_FORK_SERVERS="1", PYTHONPATH=_ROOT))
@@ -192,6 +196,7 @@ def test_a_preforked_forker_is_a_fork_of_the_process_and_serves_its_clusters(tmp
   assert lines["FORKER"] == "True 5 [0, 1, 2]"
   assert lines["SERVERS"] == "[True, True]"
   assert lines["VALUE"] == "3.5"
+  assert lines["AFTER_OPS"] == "False"
   assert (tmp_path / "server_forker.log").exists()
 
 

@@ -70,6 +70,7 @@ def _run_child(request, protocol_fds) -> None:
   try:
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
       signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])  # blocked by _serve's fork
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if request.get("new_session"):
       os.setsid()
@@ -141,9 +142,15 @@ def _serve(proto_in: int, proto_out: int) -> None:
       line, pending = pending.split(b"\n", 1)
       request = json.loads(line)
       if request["op"] == "spawn":
+        # A new child may get the pid of one reaped long ago (pids wrap: a test run forks tens
+        # of thousands of processes): its status goes, but not one of the new child's, should it
+        # end at once, so SIGCHLD waits until then.
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
         pid = os.fork()
         if pid == 0:
           _run_child(request, (proto_in, proto_out))
+        statuses.pop(pid, None)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
         reply = {"pid": pid}
       elif request["op"] == "poll":
         reap()
@@ -378,6 +385,16 @@ def for_env(env: Dict[str, str], log_dir: str) -> Forker:
     return forker
 
 
+def _has_tf_context() -> bool:
+  """Whether this process has run TensorFlow (its eager context exists, with its thread pools): a
+  fork of it is no clean forker (a server forked from it can hang at start)."""
+  if "tensorflow" not in sys.modules:
+    return False
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  ctx = context.context_safe()
+  return ctx is not None and getattr(ctx, "_context_handle", None) is not None
+
+
 def prefork(env: Dict[str, str], log_dir: Optional[str] = None) -> bool:
   """Makes a fork of this process, now, its forker for servers with environment `env`.
 
@@ -386,11 +403,12 @@ def prefork(env: Dict[str, str], log_dir: Optional[str] = None) -> bool:
   many seconds of a job's start on 2 cores). The fork must be as clean as a forker's own start:
   call this before the process runs a TensorFlow op or starts a server. Only the calling thread
   is carried into the fork. `log_dir`: where the forker's log goes (None: this process's stderr).
-  Returns whether it forked: not when forking is off, when a forker for `env` runs already, or
+  Returns whether it forked: not when forking is off, when this process has run TensorFlow
+  already (a test calling the binary's main in process), when a forker for `env` runs already, or
   when what TensorFlow reads at import differs between `env` and this process's environment
   (the servers then get a forker of their own, as without this call).
   """
-  if not enabled():
+  if not enabled() or _has_tf_context():
     return False
   key, key_lock = _key_lock(env)
   if key != _key_lock(dict(os.environ))[0]:
