@@ -13,9 +13,9 @@ The parent pytest collects as usual (so -k, -x, node ids and the progress line b
 expect), runs each module's selected tests in one child pytest and replays the child's reports as
 its own, in collection order. A child is a fork of one process that has imported TensorFlow and
 tf_gba already (`_forker`), not a new interpreter: each would otherwise spend ~6 CPU-seconds
-importing them, over a hundred times a run. Up to --module-jobs children (TF_GBA_TEST_JOBS; default: one more
-than the CPUs, at most 4) run at once: a child spends ~6.5 s starting TensorFlow and most cluster
-tests wait on sleeping servers, so one child at a time left the CPUs idle most of a run. Children
+importing them, over a hundred times a run. Up to --module-jobs children (TF_GBA_TEST_JOBS;
+default: one more than the CPUs, at most 4) run at once: most cluster tests wait on sleeping
+servers, so one child at a time left the CPUs idle most of a run. Children
 start slowest module first (_KNOWN_SECONDS), so the run does not end waiting on one long module
 started last. After a failure that stops the run (-x, --maxfail) no new child starts, and the
 running ones are stopped. A child that dies (signal, watchdog) fails the tests it did not report,

@@ -64,6 +64,18 @@ def _name_process(name: str) -> None:
     pass  # not Linux, or no /proc: the name is only a convenience
 
 
+def _redirect_stdio(log_path: Optional[str]) -> None:
+  """stdin from /dev/null; stderr appended to `log_path` (None: kept); stdout where stderr goes."""
+  null = os.open(os.devnull, os.O_RDONLY)
+  os.dup2(null, 0)
+  os.close(null)
+  if log_path:
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 2)
+    os.close(log)
+  os.dup2(2, 1)
+
+
 def _run_child(request, protocol_fds) -> None:
   """In a forked child: becomes the server `request` describes; never returns."""
   code = 1
@@ -76,13 +88,7 @@ def _run_child(request, protocol_fds) -> None:
       os.setsid()
     for fd in protocol_fds:
       os.close(fd)
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
+    _redirect_stdio(request["log"])
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -164,10 +170,7 @@ def main() -> int:
   # The protocol moves off fds 0 and 1, which become /dev/null and the forker's log (stderr),
   # so nothing a child inherits there reaches the pipes.
   proto_in, proto_out = os.dup(0), os.dup(1)
-  null = os.open(os.devnull, os.O_RDONLY)
-  os.dup2(null, 0)
-  os.close(null)
-  os.dup2(2, 1)
+  _redirect_stdio(None)
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops the servers, not Ctrl-C
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   _preload()
@@ -204,14 +207,7 @@ def _become_forker(proto_in: int, proto_out: int, log_path: Optional[str]) -> No
       if fd >= low:
         os.closerange(low, fd)
         low = fd + 1
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    if log_path:
-      log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-      os.dup2(log, 2)
-      os.close(log)
-    os.dup2(2, 1)
+    _redirect_stdio(log_path)
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # the client may have replaced them
     os.write(proto_out, b'{"ready": true}\n')
     _serve(proto_in, proto_out)
@@ -367,8 +363,12 @@ _KEY_LOCKS: Dict[tuple, threading.Lock] = {}  # one per environment: starting on
                                               # does not hold up the clusters of another
 
 
+def _key(env: Dict[str, str]) -> tuple:
+  return tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME_PREFIXES)))
+
+
 def _key_lock(env: Dict[str, str]):
-  key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME_PREFIXES)))
+  key = _key(env)
   with _FORKERS_LOCK:
     return key, _KEY_LOCKS.setdefault(key, threading.Lock())
 
@@ -408,11 +408,9 @@ def prefork(env: Dict[str, str], log_dir: Optional[str] = None) -> bool:
   when what TensorFlow reads at import differs between `env` and this process's environment
   (the servers then get a forker of their own, as without this call).
   """
-  if not enabled() or _has_tf_context():
+  if not enabled() or _has_tf_context() or _key(env) != _key(dict(os.environ)):
     return False
   key, key_lock = _key_lock(env)
-  if key != _key_lock(dict(os.environ))[0]:
-    return False
   with key_lock:
     forker = _FORKERS.get(key)
     if forker is not None and forker.alive():
