@@ -263,11 +263,10 @@ def main(argv=None):
 
 
 def _prefork_servers(config) -> None:
-  """A local parameter-server job: its servers will be forks of a fork of this process, made now,
-  before any TensorFlow op runs here (tf_gba.distribute.server_forker.prefork): this process has
-  imported TensorFlow already, and the forker need not import it again."""
-  if os.environ.get("TF_CONFIG") or mode_registry.get(config.mode).kind != (
-      mode_registry.PARAMETER_SERVER):
+  """A local job: its servers (or collective workers) will be forks of a fork of this process,
+  made now, before any TensorFlow op runs here (tf_gba.distribute.server_forker.prefork): this
+  process has imported TensorFlow already, and the forker need not import it again."""
+  if os.environ.get("TF_CONFIG"):
     return
   from tf_gba.distribute import local_cluster  # pylint: disable=g-import-not-at-top
   local_cluster.prefork_forker(config.log_dir)

@@ -50,7 +50,9 @@ def test_transient_draws_are_reproducible_and_match_p():
 
 @pytest.mark.parametrize("factor", [1.0, 3.0])
 def test_compute_floor_pads_the_step_then_the_factor_stretches_it(factor):
-  """compute:<ms>: delay = (floor - busy) + (factor - 1) * floor, for a step shorter than floor."""
+  """compute:<ms>: the step is padded to the floor, then stretched: with base = max(busy, floor),
+  delay = (base - busy) + (factor - 1) * base. A step longer than the floor (a loaded machine can
+  make a 30 ms step of nothing) is not padded, and its own time is what the factor stretches."""
   ops = stragglers._ops()
   floor_ms = 30.0
   profile = stragglers.parse(f"compute:{floor_ms}+persistent:{factor}@0")
@@ -60,7 +62,8 @@ def test_compute_floor_pads_the_step_then_the_factor_stretches_it(factor):
     delay = float(ops.gba_step_end(start, profile=profile, seed=0))
     steps, busy_ns, delay_ns = ops.gba_worker_step_stats().numpy()[:3]
     busy = (busy_ns - busy_before) * 1e-9  # this step's own (real) time, as the kernel measured
-    want = (floor_ms * 1e-3 - busy) + (factor - 1.0) * floor_ms * 1e-3
+    base = max(busy, floor_ms * 1e-3)
+    want = (base - busy) + (factor - 1.0) * base
     assert steps == steps_before + 1
     assert delay == pytest.approx(want, abs=1e-6)
     assert (delay_ns - delay_before) * 1e-9 == pytest.approx(want, abs=1e-6)

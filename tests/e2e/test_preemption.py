@@ -37,7 +37,7 @@ def _command(mode, model_dir):
              ["--num_ps=1", "--num_workers=2", "--stragglers=none"])
   return [sys.executable, os.path.join(_ROOT, "examples", "train.py"), f"--mode={mode}",
           *cluster, f"--steps={_STEPS}", f"--log_every={_LOG_EVERY}", "--local_batch_size=64",
-          "--eval_examples=4096", "--data_options=num_examples=20000",
+          "--eval_examples=4096", "--data_options=num_examples=20000", "--export_dir=",
           f"--model_dir={model_dir}"]
 
 

@@ -30,7 +30,7 @@ def test_auto_switches_to_gba_and_back_on_a_trace(tmp_path):
   cfg = TrainConfig(mode="auto", model="deepfm", data="synthetic",
                     data_options="num_examples=4000,vocab_size=8000", num_ps=1, num_workers=2,
                     local_batch_size=32, steps=STEPS, log_every=8, eval_examples=512,
-                    model_dir=model_dir, stragglers=f"compute:100+trace:{trace}",
+                    model_dir=model_dir, stragglers=f"compute:100+trace:{trace}", export_dir="",
                     auto_dwell_s=0.0, auto_confirm=2, auto_margin=0.1, auto_hysteresis=0.05,
                     # Held efficiencies (both modes predicted as model QPS x efficiency,
                     # whatever this machine's load): GBA at 0.5 of its model, Sync at its model,
@@ -110,7 +110,7 @@ def test_auto_measures_step_times_without_a_profile(tmp_path):
   cfg = TrainConfig(mode="auto", model="deepfm", data="synthetic",
                     data_options="num_examples=2000,vocab_size=4000", num_ps=1, num_workers=2,
                     local_batch_size=32, steps=96, log_every=8, eval_examples=256,
-                    model_dir=str(tmp_path / "model"), auto_dwell_s=1e6)
+                    model_dir=str(tmp_path / "model"), auto_dwell_s=1e6, export_dir="")
   summary = runner.run(cfg)
   assert summary["num_switches"] == 0 and summary["stragglers"] == "none"
   (stay,) = summary["stays"]
@@ -137,7 +137,7 @@ def test_binary_without_a_profile_measures_both_modes_and_the_switch(tmp_path):
        "--model=deepfm", "--data=synthetic", "--data_options=num_examples=2000,vocab_size=4000",
        "--num_workers=2", "--local_batch_size=32", "--steps=128", "--log_every=16",
        "--eval_examples=256", "--auto_dwell_s=0", "--auto_confirm=1",
-       "--auto_gba_efficiency=10", f"--model_dir={model_dir}"],
+       "--auto_gba_efficiency=10", "--export_dir=", f"--model_dir={model_dir}"],
       capture_output=True, text=True, timeout=600, env=env, cwd=_ROOT, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "step times must be > 0" not in proc.stdout + proc.stderr

@@ -19,7 +19,7 @@ from tests import shared_data
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SMALL = ["--num_workers=1", "--num_ps=1", "--steps=20", "--log_every=10",
-          "--local_batch_size=64", "--eval_examples=512", "--stragglers=none"]
+          "--local_batch_size=64", "--eval_examples=512", "--stragglers=none", "--export_dir="]
 
 
 def _train(*args, timeout=300, prefix=(), env=None):

@@ -21,7 +21,7 @@ def _train(*args, timeout=400):
   env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   return subprocess.run([sys.executable, os.path.join(_ROOT, "examples", "train.py"),
                          "--stragglers=none", "--local_batch_size=64", "--eval_examples=512",
-                         "--data_options=num_examples=20000", *args],
+                         "--data_options=num_examples=20000", "--export_dir=", *args],
                         capture_output=True, text=True, timeout=timeout, env=env, cwd=_ROOT,
                         check=False)
 

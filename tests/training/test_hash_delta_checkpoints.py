@@ -26,7 +26,8 @@ def _config(model_dir, **overrides):
   values = dict(mode="gba", embedding="hash", num_workers=2, num_ps=2, local_batch_size=200,
                 log_every=10, eval_examples=2000, model_dir=str(model_dir), stragglers="none",
                 data=f"criteo:{shared_data.require('criteo_sample')}", steps=40,
-                checkpoint_every_steps=10, full_checkpoint_every=3, keep_checkpoints=2)
+                checkpoint_every_steps=10, full_checkpoint_every=3, keep_checkpoints=2,
+                export_dir="")
   values.update(overrides)
   return TrainConfig(**values)
 

@@ -35,7 +35,7 @@ def config(tmp_path, mode, **kw):
   base = dict(mode=mode, model="deepfm", data="synthetic", num_ps=1, num_workers=2,
               local_batch_size=64, steps=60, input="sharded", eval_examples=2048,
               data_options="num_examples=20000", model_dir=str(tmp_path / mode),
-              learning_rate=0.01)
+              learning_rate=0.01, export_dir="")
   base.update(kw)
   cfg = TrainConfig(**base)
   cfg.validate()

@@ -43,7 +43,7 @@ def _config(mode, model_dir, **extra):
                 data_options="num_examples=4000,vocab_size=8000", num_ps=2,
                 num_workers=WORKERS, local_batch_size=LOCAL_BATCH, steps=STEPS, log_every=4,
                 eval_examples=512, learning_rate=0.01, model_dir=model_dir, stragglers="none",
-                async_staleness_stats=(mode != "async"))
+                async_staleness_stats=(mode != "async"), export_dir="")
   values.update(extra)
   return TrainConfig(**values)
 

@@ -33,7 +33,7 @@ def _config(model_dir, **overrides) -> TrainConfig:
   values = dict(mode="sync", model="deepfm", data="synthetic", data_options="num_examples=2000",
                 embedding="hash", num_workers=WORKERS, local_batch_size=BATCH,
                 steps=3 * WORKERS, log_every=3, eval_examples=256, learning_rate=0.01,
-                model_dir=str(model_dir), stragglers="none")
+                model_dir=str(model_dir), stragglers="none", export_dir="")
   values.update(overrides)
   return TrainConfig(**values)
 

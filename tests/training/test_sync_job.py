@@ -31,7 +31,7 @@ _ENV = {"CUDA_VISIBLE_DEVICES": ""}
 def _config(model_dir, **overrides) -> TrainConfig:
   values = dict(mode="sync", model="deepfm", data="synthetic", data_options="num_examples=2000",
                 num_workers=2, local_batch_size=16, steps=6, log_every=2, eval_examples=1024,
-                learning_rate=0.01, model_dir=str(model_dir), stragglers="none")
+                learning_rate=0.01, model_dir=str(model_dir), stragglers="none", export_dir="")
   values.update(overrides)
   return TrainConfig(**values)
 

@@ -26,8 +26,10 @@ def _flags():
 
 
 def _run(tmp_path, **overrides):
+  # No serving export (a few CPU-seconds a run) but in the every-mode test below.
   values = dict(num_workers=2, steps=40, log_every=20, local_batch_size=128,
-                eval_examples=2048, model_dir=str(tmp_path / "model"), stragglers="none")
+                eval_examples=2048, model_dir=str(tmp_path / "model"), stragglers="none",
+                export_dir="")
   values.update(overrides)
   for k, v in values.items():
     setattr(FLAGS, k, v)
@@ -59,8 +61,12 @@ def _check_summary(model_dir, summary, mode, m):
 def test_each_mode_and_model(tmp_path, mode, model, m):
   """Every mode from the same binary and flags (2 workers: default BSP b2 = max(1, round(2 / 5))
   = 1, Hop-BW N - b3 = 2 - 1 = 1)."""
-  summary = _run(tmp_path, mode=mode, model=model)
+  summary = _run(tmp_path, mode=mode, model=model, export_dir=None)
   _check_summary(str(tmp_path / "model"), summary, mode, m)
+  # Every mode writes its serving SavedModel at the end (what stock TensorFlow makes of it:
+  # test_serving_export.py).
+  export = tmp_path / "model" / "export" / str(summary["global_step"])
+  assert (export / "saved_model.pb").exists(), os.listdir(tmp_path / "model")
   assert summary["model"] == model
   assert summary["num_aggregate"] == m
   if mode == "hop_bs":

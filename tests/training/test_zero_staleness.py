@@ -37,7 +37,7 @@ def _config(model_dir, embedding="vocab") -> TrainConfig:
                      data_options="num_examples=2000", num_workers=NUM_WORKERS,
                      local_batch_size=16, steps=NUM_WORKERS * GLOBAL_STEPS, log_every=2,
                      eval_examples=1024, learning_rate=0.01, model_dir=str(model_dir),
-                     stragglers="none", embedding=embedding)
+                     stragglers="none", embedding=embedding, export_dir="")
 
 
 def _build(cfg, info):

@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gba import data as data_lib
+from tf_gba.common import autograph
 from tf_gba.data import pipeline
 
 # tf.data warns whenever a dataset's options are read while a graph is built, which the service
@@ -174,6 +175,7 @@ class DataList:
     row_order = tf.constant(self.row_order)
     batch, num_rows = self.batch_size, self.num_rows
 
+    @tf.autograph.experimental.do_not_convert
     def gather(batch_id):
       start = batch_id * batch
       rows = row_order[start:tf.minimum(start + batch, num_rows)]
@@ -224,6 +226,7 @@ class DayCounters:
     self.exhausted = tf.Variable(tf.constant(0, tf.int32), trainable=False,
                                  per_worker_variable=True, name="data_list_exhausted")
 
+  @autograph.framework_function
   def record_step(self, has_value, batch_id, num_examples) -> tf.Operation:
     """In the step, after it: counts a trained batch, or marks the worker as having seen the end.
 

@@ -45,9 +45,11 @@ from typing import Dict, List, Optional
 
 ENV_SWITCH = "TF_GBA_FORK_SERVERS"
 # What TensorFlow and Python read while the forker imports them; a cluster whose environment
-# differs in these needs a forker of its own.
+# differs in these needs a forker of its own. Not PYTHONPATH: a child puts its entries in front
+# of sys.path itself (_run_child).
 _IMPORT_TIME_PREFIXES = ("TF_CPP_", "TF_ENABLE_", "TF_USE_LEGACY_KERAS", "OMP_", "MKL_", "KMP_",
                          "PYTHON", "LD_")
+_NOT_IMPORT_TIME = ("PYTHONPATH",)
 
 
 def enabled() -> bool:
@@ -92,6 +94,14 @@ def _run_child(request, protocol_fds) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    # The forker's sys.path is that of its own start. In front go what `python -m <module>`
+    # started in `cwd` with this PYTHONPATH would have (the collective workers import their
+    # target from `cwd`), so PYTHONPATH need not be part of a forker's key.
+    front = [request["cwd"]] + [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep)
+                                if p]
+    for entry in reversed(front):
+      if entry not in sys.path:
+        sys.path.insert(0, entry)
     _name_process(request["name"])
     # The module whose main() the child runs, named by the client (the forker depends on none
     # of them: run_collective_cluster's workers import this module to be forked).
@@ -364,7 +374,8 @@ _KEY_LOCKS: Dict[tuple, threading.Lock] = {}  # one per environment: starting on
 
 
 def _key(env: Dict[str, str]) -> tuple:
-  return tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME_PREFIXES)))
+  return tuple(sorted((k, v) for k, v in env.items()
+                      if k.startswith(_IMPORT_TIME_PREFIXES) and k not in _NOT_IMPORT_TIME))
 
 
 def _key_lock(env: Dict[str, str]):

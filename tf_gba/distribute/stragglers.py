@@ -40,6 +40,7 @@ from typing import Dict, List
 
 import tensorflow as tf
 
+from tf_gba.common import autograph
 from tf_gba.ops import loader
 
 WORKER_DEVICE = "/job:worker/replica:0/task:{}/device:CPU:0"
@@ -139,6 +140,7 @@ def named_workers(spec: str) -> List[int]:
   return sorted(out)
 
 
+@autograph.framework_function
 def _ops():
   return loader.load_op_library("gba")
 
@@ -158,12 +160,14 @@ def timed(profile: str) -> str:
   return TIMED if profile == "none" else profile
 
 
+@autograph.framework_function
 def timed_step_start(profile: str):
   """Where a step starts: its start time under a straggler profile (`profile` canonical, from
   `parse`); None without one, so that such a step carries no timing or delay op."""
   return None if profile == "none" else step_begin()
 
 
+@autograph.framework_function
 def timed_step_end(start, profile: str, seed: int):
   """Where a step ends (after `timed_step_start`): under a profile the straggler delay, slept and
   counted (`GBA>StepEnd`); without one only the step count (`GBA>StepCount`, what the per-worker

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, Optional
 import tensorflow as tf
 
 from tf_gba.common import arguments
+from tf_gba.common import autograph
 from tf_gba.distribute import modes as modes_lib
 from tf_gba.distribute import step_context
 from tf_gba.distribute import stragglers as stragglers_lib
@@ -303,6 +304,7 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     """
     self._gba_pre_step_readers[name] = fn
 
+  @autograph.framework_function
   def _begin_step(self, version=None, skip=None) -> step_context.StepInfo:
     token = ticket = None
     if self._gba_uses_tokens:
@@ -363,6 +365,7 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     """Per worker: steps run, seconds busy and seconds of injected delay (read eagerly)."""
     return stragglers_lib.worker_step_stats(self._gba_num_workers)
 
+  @autograph.framework_function
   def run(self, fn, args=(), kwargs=None, options=None):
     """Like `ParameterServerStrategy.run`, with the token taken before `fn` reads parameters.
 
@@ -379,6 +382,7 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     if hop_bw:
       version_barrier = self.version_barrier
 
+    @autograph.framework_function
     def step_fn(*a, **kw):
       barrier = []
       version = skip = None
@@ -405,7 +409,7 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
       deps = [t for t in tf.nest.flatten([info.token, info.reads]) if t is not None] + started
       with step_context.scope(info), tf.control_dependencies(deps):
         try:
-          outputs = fn(*a, **kw)
+          outputs = autograph.call_user_function(fn, *a, **kw)
         except ValueError as e:
           if "tf.keras.losses.Reduction.SUM" not in str(e):
             raise

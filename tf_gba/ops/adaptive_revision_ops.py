@@ -29,12 +29,14 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
+from tf_gba.common import autograph
 from tf_gba.ops import loader
 
 # The updates are applied to variables in place and output nothing: no gradient.
 loader.no_gradient("GBA>ResourceApplyAdaptiveRevision", "GBA>ResourceSparseApplyAdaptiveRevision")
 
 
+@autograph.framework_function
 def _ops():
   return loader.load_op_library("adaptive_revision")
 

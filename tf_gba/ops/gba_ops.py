@@ -17,6 +17,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from tf_gba.common import autograph
 from tf_gba.ops import loader
 
 DECAYS = ("threshold", "exponential")
@@ -40,6 +41,7 @@ loader.no_gradient(
     "GBA>SetStepPosition", "GBA>WorkerStepStats", "GBA>StragglerFactors")
 
 
+@autograph.framework_function
 def _ops():
   return loader.load_op_library("gba")
 
@@ -173,6 +175,7 @@ class TokenGenerator(tf.saved_model.experimental.TrackableResource):
   def _destroy_resource(self):
     _destroy(self.resource_handle)
 
+  @autograph.framework_function
   def fetch(self) -> Tuple[tf.Tensor, tf.Tensor]:
     """Returns (token, ticket) as int64 scalars."""
     with tf.device(self._resource_device):

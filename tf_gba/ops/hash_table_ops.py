@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from tf_gba.common import autograph
 from tf_gba.ops import loader
 
 INITIALIZERS = ("uniform", "normal", "zeros")
@@ -53,6 +54,7 @@ loader.no_gradient(
     "GBA>HashTableImportDelta", "GBA>HashTableTrackChanges")
 
 
+@autograph.framework_function
 def _ops():
   return loader.load_op_library("gba")
 

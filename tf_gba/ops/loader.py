@@ -12,6 +12,8 @@ from typing import Dict, List
 
 import tensorflow as tf
 
+from tf_gba.common import autograph
+
 # One entry per folder custom_ops/<area>/cc; setup.py and BUILD build each into _<area>_ops.so.
 AREAS = ("gba", "adaptive_revision")
 
@@ -56,6 +58,7 @@ def build_info() -> dict:
     return {}
 
 
+@autograph.framework_function  # called inside traced steps
 def load_op_library(area: str):
   """Returns the loaded op module of `area` ("gba", "adaptive_revision"), loading it once."""
   if area not in AREAS:
