@@ -35,6 +35,7 @@ import tf_keras as keras
 from tf_gba import data as data_lib
 from tf_gba import models as models_lib
 from tf_gba.distribute import stragglers as stragglers_lib
+from tf_gba.common import autograph
 from tf_gba.common import interrupt
 from tf_gba.common import metrics
 from tf_gba.ops import hash_table_ops
@@ -233,6 +234,7 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None,
   # loss (Keras refuses its default reduction inside a distribution strategy).
   bce = keras.losses.BinaryCrossentropy(reduction=keras.losses.Reduction.NONE)
 
+  @autograph.framework_function  # the model's own call is still converted (Keras converts it)
   def replica_step(batch):
     features, labels = batch
     start = stragglers_lib.timed_step_start(profile)
@@ -272,6 +274,7 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None,
 
   @tf.function
   def mean_over_workers(value):
+    @autograph.framework_function
     def replica_fn(v):
       # The identity puts the value on this replica's device, where the collective runs.
       return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN,
@@ -285,6 +288,7 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None,
 
   @tf.function
   def sum_over_workers(value):
+    @autograph.framework_function
     def replica_fn(v):
       return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM,
                                                             tf.identity(v))
