@@ -32,7 +32,7 @@ def _command(mode, model_dir):
           "--num_ps=1", "--num_workers=2", f"--steps={_STEPS}", "--log_every=20",
           f"--checkpoint_every_steps={_CHECKPOINT_EVERY}", "--local_batch_size=64",
           "--eval_examples=4096", "--stragglers=none", "--data_options=num_examples=20000",
-          "--export_dir=", f"--model_dir={model_dir}"]
+          f"--model_dir={model_dir}"]
 
 
 def _env(model_dir):
