@@ -21,6 +21,7 @@ from tf_gba.training import runner
 from tf_gba.training.config import TrainConfig
 
 WORKERS, BATCH, BATCHES_PER_WORKER = 2, 32, 6
+_ROUNDS = 5
 
 
 def _batches_per_worker(cfg):
@@ -40,18 +41,24 @@ def _batches_per_worker(cfg):
       features, labels = next(it)
       return worker_clock.worker_index(), features[first], labels
 
-    results = [coordinator.schedule(take, args=(iterator,))
-               for _ in range(WORKERS * BATCHES_PER_WORKER)]
     got = {w: [] for w in range(WORKERS)}
-    try:
-      coordinator.join()
-      # Closures run one at a time per worker, in the order they were scheduled.
-      for r in results:
-        worker, ids, labels = r.fetch()
-        got[int(worker)].append((np.asarray(ids), np.asarray(labels)))
-    except tf.errors.InternalError as error:
-      recovery.raise_if_lost(error, None, jobs=("ps", "worker"))
-      raise
+    # The coordinator gives a closure to whichever worker is free: on a loaded machine one worker
+    # can take a whole round before the other has started. Rounds go on (each worker's iterator
+    # goes on through its shard) until every worker has read, at most _ROUNDS of them.
+    for _ in range(_ROUNDS):
+      results = [coordinator.schedule(take, args=(iterator,))
+                 for _ in range(WORKERS * BATCHES_PER_WORKER)]
+      try:
+        coordinator.join()
+        # Closures run one at a time per worker, in the order they were scheduled.
+        for r in results:
+          worker, ids, labels = r.fetch()
+          got[int(worker)].append((np.asarray(ids), np.asarray(labels)))
+      except tf.errors.InternalError as error:
+        recovery.raise_if_lost(error, None, jobs=("ps", "worker"))
+        raise
+      if all(got.values()):
+        break
   return got, first
 
 
