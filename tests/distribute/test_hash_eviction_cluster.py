@@ -18,7 +18,12 @@ POOL = np.arange(60, dtype=np.int64) * 1000003 - 2**40
 
 def dataset_fn(_=None):
   ids = tf.constant(POOL)
-  rng = tf.data.Dataset.random(seed=5).batch(BATCH * FIELDS)
+  # Unseeded, so that each worker's pipeline draws its own ids. With one seed both workers would
+  # read the same batches, and the second worker's lookup of a batch would admit its ids before
+  # the first worker's gradient reached the servers whenever the two ran close together: no
+  # gradient row would then be filtered. With distinct draws, the first two batches alone hold
+  # ids that one lookup saw once when their gradients are applied.
+  rng = tf.data.Dataset.random().batch(BATCH * FIELDS)
 
   def to_batch(r):
     x = tf.gather(ids, tf.reshape(r % len(POOL), [BATCH, FIELDS]))
