@@ -91,8 +91,13 @@ def test_hop_bs_holds_fast_workers_behind_a_5x_slower_one(tmp_path):
   free_steps = [w["steps"] for w in free["per_worker"]]
   held_steps = [w["steps"] for w in held["per_worker"]]
   assert min(free_steps[1:]) >= 2 * free_steps[0], free_steps
-  # A worker starts a step only with a lead <= b1, so it ends at most b1 + 1 ahead.
-  assert max(held_steps) - held_steps[0] <= 1 + 1, held_steps
+  # A worker starts a step only with a lead <= b1, so it ends at most b1 + 1 ahead; except that
+  # at the run's end, once every step is scheduled, a fast worker still blocked there has nobody
+  # left to release it, and the strategy lets it go (docs/training_binary.md): its one last step
+  # then starts with a lead of b1 + 1 (seen once on a loaded machine: [18, 21, 21]). The clock's
+  # own statistics must still show leads <= b1 (the release resets the clock, so a released wait
+  # counts with lead 0).
+  assert max(held_steps) - held_steps[0] <= 1 + 1 + 1, held_steps
   assert held["max_lead"] <= 1
   slow, fast = held["per_worker"][0], held["per_worker"][1:]
   assert all(w["barrier_timeouts"] == 0 for w in held["per_worker"])
