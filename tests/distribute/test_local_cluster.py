@@ -267,3 +267,14 @@ def test_free_ports_are_outside_the_ephemeral_range_and_free(monkeypatch):
     assert len(set(ports)) == 40 and low - 3000 + 7 not in ports, ports
   finally:
     held.close()
+
+
+def test_processes_with_other_pids_choose_disjoint_free_ports(monkeypatch):
+  """Two processes choosing at once must not both choose one port before either server binds."""
+  from tf_gba.distribute import local_cluster  # pylint: disable=g-import-not-at-top
+  chosen = {}
+  for pid in (3, 4, 19):  # 19 is 3's stripe again: 16 stripes of 64-port blocks
+    monkeypatch.setattr(local_cluster.os, "getpid", lambda pid=pid: pid)
+    chosen[pid] = local_cluster.free_ports(30)
+    assert all((port // 64) % 16 == pid % 16 for port in chosen[pid]), (pid, chosen[pid])
+  assert not set(chosen[3]) & set(chosen[4])

@@ -35,6 +35,8 @@ from tf_gba.distribute import server_forker
 
 # Below: ports of well-known services some machines run.
 _LOWEST_PORT = 10000
+_PORT_STRIPES = 16       # stripes of the port range, one per pid modulo 16 (see free_ports)
+_PORT_STRIPE_WIDTH = 64  # ports in each block of a stripe
 
 
 def _ephemeral_port_range() -> Tuple[int, int]:
@@ -57,6 +59,13 @@ def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
   candidates = list(range(_LOWEST_PORT, low))
   rng = random.SystemRandom()
   rng.shuffle(candidates)
+  # This process's stripe of the range first (still in random order), then the rest. A port
+  # chosen here stays free until its server binds it, a second or more later; another process
+  # choosing in that window (parallel jobs or test processes on one machine) could choose the
+  # same port, and one of the two servers would then fail to start ("Could not start gRPC
+  # server"). Processes whose pids differ modulo the stripe count choose from disjoint ports.
+  stripe = os.getpid() % _PORT_STRIPES
+  candidates.sort(key=lambda port: (port // _PORT_STRIPE_WIDTH) % _PORT_STRIPES != stripe)
   socks, ports = [], []
   try:
     for port in candidates:
