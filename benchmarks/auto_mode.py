@@ -125,6 +125,7 @@ def simulate(auto_summary: dict, args) -> dict:
                         margin=policy["margin"], hysteresis=policy["hysteresis"],
                         dwell_s=policy["dwell_s"], confirm=policy["confirm"],
                         horizon_s=policy["horizon_s"], probe_s=policy["probe_s"],
+                        measure_s=policy.get("measure_s", policy["dwell_s"]),
                         assumed_efficiency={m: policy[f"{m}_efficiency"]
                                             for m in ("sync", "gba")}
                         if policy["learn_efficiency"] else None)

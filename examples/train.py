@@ -210,6 +210,9 @@ def define_flags() -> None:
                      "training seconds in each mode (Sync, then GBA, which then stays or goes "
                      "back by the usual rule), so that both efficiencies are measured before the "
                      "policy relies on them; 0: no probe.")
+  flags.DEFINE_float("auto_measure_s", 5.0, "--mode=auto: a mode's first stay (entered on the "
+                     "efficiency assumed for it) may be left after this many training seconds, "
+                     "instead of --auto_dwell_s, once its measured efficiency says so.")
 
 
 def _task_type() -> str:

@@ -136,7 +136,7 @@ def test_dwell_time():
     (dict(confirm=0), "--auto_confirm"), (dict(sync_efficiency=0), "--auto_sync_efficiency"),
     (dict(gba_efficiency=-1), "--auto_gba_efficiency"),
     (dict(switch_cost_s=-1), "--auto_switch_cost_s"), (dict(horizon_s=0), "--auto_horizon_s"),
-    (dict(probe_s=-1), "--auto_probe_s"),
+    (dict(probe_s=-1), "--auto_probe_s"), (dict(measure_s=-1), "--auto_measure_s"),
     (dict(probe_s=5, learn_efficiency=False), "--noauto_learn_efficiency")])
 def test_bad_parameters(kwargs, flag):
   with pytest.raises(ValueError, match=flag):
@@ -494,18 +494,18 @@ def job_decisions(intervals, eff, assumed, cfg):
   """AutoPolicy fed `intervals` as the job (auto_job.run) feeds it: a new policy per stay, its
   first interval skipped, each mode measured at its true efficiency `eff`, known to the next
   stays at its last stay's mean (`assumed` before), the first stay a probe with cfg.probe_s and
-  the one after a probe 'second'."""
-  mode, policy, out, known, stays, in_mode = "sync", None, [], dict(assumed), 0, 0.0
+  a mode's first stay after another 'second'."""
+  mode, policy, out, known, visited, in_mode = "sync", None, [], dict(assumed), [], 0.0
   for i, times in enumerate(intervals):
     in_mode += 5.0  # seconds trained in this mode at the interval's end
     if policy is None:
       probe = None
-      if cfg.probe_s > 0 and stays == 0:
+      if cfg.probe_s > 0 and not visited:
         probe = "first"
-      elif out and out[-1][4] and stays == 1:
+      elif visited and mode not in visited:
         probe = "second"
       policy = AutoPolicy(cfg, mode, 256, known, [cfg.switch_cost_s], probe=probe)
-      stays += 1
+      visited.append(mode)
       continue
     d = observe(policy, in_mode, times, eff[mode])
     if d is not None:
@@ -553,12 +553,48 @@ def test_simulator_replays_the_probe_and_the_learned_efficiencies():
     assert [d["expected_gain"] for d in got.decisions] == pytest.approx([w[3] for w in want])
 
 
+def test_a_stay_entered_on_an_assumed_efficiency_is_left_once_measured():
+  # 60 quiet intervals of 5 s (four workers at 100 ms): Sync reaches 0.75 of its model, GBA only
+  # 0.5, but the job assumes both at 1.0 before it has run them. A switch costs 20 s.
+  quiet = [[0.1] * 4] * 60
+  eff, assumed = {"sync": 0.75, "gba": 0.5}, {"sync": 1.0, "gba": 1.0}
+  rule = dict(margin=0.1, hysteresis=0.05, dwell_s=100.0, confirm=1, horizon_s=200.0)
+  # Sync measures 7,680 against GBA's assumed 10,240 (gain 1.33, saves 200 x (10,240 / 7,680 - 1)
+  # = 66.7 s > 20 s) and leaves after its dwell: interval 19, 100 s in. GBA's first stay measures
+  # 5,120 against Sync's learned 7,680 (gain 0.67 < 1.05, saves 100 s > 20 s): it goes back at
+  # its first observation, 10 s in (>= measure_s 5 s), not after another dwell of 100 s.
+  measured = simulate_auto.replay(quiet, 5.0, 256, eff, 20.0, assumed_efficiency=assumed,
+                                  measure_s=5.0, **rule)
+  assert [(d["interval"], d["to"]) for d in measured.decisions] == [(19, "gba"), (21, "sync")]
+  assert measured.modes == ["sync"] * 20 + ["gba"] * 2 + ["sync"] * 38
+  assert measured.seconds == pytest.approx(300.0 + 2 * 20.0)
+  assert measured.examples == pytest.approx(5.0 * (58 * 7680 + 2 * 5120))
+  dwelt = simulate_auto.replay(quiet, 5.0, 256, eff, 20.0, assumed_efficiency=assumed,
+                               measure_s=100.0, **rule)
+  assert [(d["interval"], d["to"]) for d in dwelt.decisions] == [(19, "gba"), (39, "sync")]
+  assert dwelt.examples == pytest.approx(5.0 * (40 * 7680 + 20 * 5120))
+  # Known efficiencies (no assumption): nothing to measure, GBA is never entered.
+  assert simulate_auto.replay(quiet, 5.0, 256, eff, 20.0, **rule).decisions == []
+  # The policy, fed as the job feeds it, decides the same.
+  for measure_s, got in ((5.0, measured), (100.0, dwelt)):
+    cfg = PolicyConfig(switch_cost_s=20.0, measure_s=measure_s, **rule)
+    want = job_decisions(quiet, eff, assumed, cfg)
+    assert [(d["interval"], d["from"], d["to"]) for d in got.decisions] == [
+        w[:3] for w in want]
+    assert [d["expected_gain"] for d in got.decisions] == pytest.approx([w[3] for w in want])
+
+
 def test_probe_roles_of_the_stays():
   from tf_gba.training import auto_job  # pylint: disable=g-import-not-at-top
   probing, plain = PolicyConfig(probe_s=5.0), PolicyConfig()
-  probe = [{"probe": True}]
-  assert [auto_job.probe_role(probing, n, sw) for n, sw in
-          ((0, []), (1, probe), (2, probe + [{"probe": False}]))] == ["first", "second", None]
-  # Without --auto_probe_s no stay probes, and a stay after a plain switch is plain.
-  assert [auto_job.probe_role(plain, n, sw) for n, sw in
-          ((0, []), (1, [{"probe": False}]))] == [None, None]
+  assert [auto_job.probe_role(probing, before, mode) for before, mode in
+          (([], "sync"), (["sync"], "gba"), (["sync", "gba"], "sync"))] == [
+              "first", "second", None]
+  # Without --auto_probe_s the first stay is plain; GBA's first stay measures the efficiency it
+  # was entered on (it may be left after --auto_measure_s); later stays are plain.
+  assert [auto_job.probe_role(plain, before, mode) for before, mode in
+          (([], "sync"), (["sync"], "gba"), (["sync", "gba"], "sync"),
+           (["sync", "gba", "sync"], "gba"))] == [None, "second", None, None]
+  # Efficiencies held: nothing is measured, every stay is plain.
+  held = PolicyConfig(learn_efficiency=False)
+  assert auto_job.probe_role(held, ["sync"], "gba") is None

@@ -83,6 +83,7 @@ def _criteo_rows(n):
     (["--mode=auto", "--auto_switch_cost_s=-5"], "--auto_switch_cost_s must be >= 0"),
     (["--mode=auto", "--auto_horizon_s=0"], "--auto_horizon_s must be > 0"),
     (["--mode=auto", "--auto_probe_s=-1"], "--auto_probe_s must be >= 0"),
+    (["--mode=auto", "--auto_measure_s=-1"], "--auto_measure_s must be >= 0"),
     (["--mode=auto", "--auto_probe_s=5", "--noauto_learn_efficiency"],
      "--auto_probe_s measures each mode's efficiency at the start; with "
      "--noauto_learn_efficiency"),

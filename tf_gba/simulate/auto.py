@@ -82,22 +82,24 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
            efficiency: Dict[str, float], switch_cost_s: float, *, margin: float = 0.3,
            hysteresis: float = 0.15, dwell_s: float = 20.0, confirm: int = 2,
            horizon_s: float = 60.0, start: str = SYNC, probe_s: float = 0.0,
-           assumed_efficiency: Optional[Dict[str, float]] = None) -> Replay:
+           measure_s: float = 5.0, assumed_efficiency: Optional[Dict[str, float]] = None) -> Replay:
   """Replays `--mode=auto` over intervals of per-worker step times ([intervals, N]), or of each
   mode's own ({mode: [intervals, N]}): a step's own time depends on the mode (a GBA step holds
   its parameter-server round trips, a Sync step not its all-reduce), and the job sees the
   current mode's, from which it predicts both.
 
   `probe_s` > 0: the first stay moves to the other mode after `probe_s` seconds and one
-  observation whatever the gain (a decision with `probe` True), and the second stay may be left
-  after `probe_s` seconds instead of `dwell_s`. `assumed_efficiency`: what the job assumes of a
-  mode before its first stay (the flags; default `efficiency`): a mode observed in a stay is
-  known at its true `efficiency` from that stay's end on, as the job learns it, and so is its
-  base step time (`base_step_seconds` of the stay's observed intervals).
+  observation whatever the gain (a decision with `probe` True). `assumed_efficiency`: what the
+  job assumes of a mode before its first stay (the flags; default `efficiency`, known from the
+  start): a mode observed in a stay is known at its true `efficiency` from that stay's end on,
+  as the job learns it, and so is its base step time (`base_step_seconds` of the stay's observed
+  intervals). With `assumed_efficiency`, a mode's first stay after another (after the probe, or
+  entered on the assumption) may be left after `measure_s` seconds instead of `dwell_s`.
   """
   horizon = max(horizon_s, dwell_s)
   mode, in_mode, agreeing, first = start, 0.0, 0, True
   probe = "first" if probe_s > 0 else None
+  visited = {mode}
   known = dict(efficiency if assumed_efficiency is None else assumed_efficiency)
   base: Dict[str, Optional[float]] = {}
   observed: List = []  # this stay's observed intervals' step times
@@ -126,7 +128,7 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
     if probe == "first":
       switch = in_mode >= probe_s
     else:
-      switch = agreeing >= confirm and in_mode >= (probe_s if probe == "second" else dwell_s)
+      switch = agreeing >= confirm and in_mode >= (measure_s if probe == "second" else dwell_s)
     if switch:
       decisions.append({"interval": i, "from": mode, "to": other_mode(mode),
                         "expected_gain": e["gain"], "saved_s": saved,
@@ -135,5 +137,7 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
       base[mode] = base_step_seconds(observed)
       mode, in_mode, agreeing, first, observed = other_mode(mode), 0.0, 0, True, []
       seconds += switch_cost_s
-      probe = "second" if probe == "first" else None
+      # The next stay measures an assumed efficiency: its mode's first stay (auto_job.probe_role).
+      probe = ("second" if assumed_efficiency is not None and mode not in visited else None)
+      visited.add(mode)
   return Replay(decisions, modes, seconds, examples)

@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 import tf_keras as keras
@@ -46,7 +46,8 @@ def policy_config(config: TrainConfig) -> auto_policy.PolicyConfig:
       confirm=config.auto_confirm, sync_efficiency=config.auto_sync_efficiency,
       gba_efficiency=config.auto_gba_efficiency,
       learn_efficiency=config.auto_learn_efficiency, switch_cost_s=config.auto_switch_cost_s,
-      horizon_s=config.auto_horizon_s, probe_s=config.auto_probe_s)
+      horizon_s=config.auto_horizon_s, probe_s=config.auto_probe_s,
+      measure_s=config.auto_measure_s)
 
 
 def switch_costs(switches: List[dict]) -> List[float]:
@@ -111,14 +112,17 @@ def account_switch(switch: dict, stay_info: dict) -> None:
                                 if a in at and b in at}
 
 
-def probe_role(config: auto_policy.PolicyConfig, stays_before: int,
-               switches: List[dict]) -> Optional[str]:
-  """The next stay's `probe` (`AutoPolicy`): with --auto_probe_s the first stay probes its mode
-  and hands over to measure the other ("first"); the stay after that probe ("second") may be
-  left after the probe's time, by the usual rule; every other stay is a plain one (None)."""
-  if config.probe_s > 0 and stays_before == 0:
+def probe_role(config: auto_policy.PolicyConfig, modes_before: Sequence[str],
+               mode: str) -> Optional[str]:
+  """The next stay's `probe` (`AutoPolicy`), given the modes of the stays before it: with
+  --auto_probe_s the first stay probes its mode and hands over to measure the other ("first");
+  a mode's first stay after another ("second": after the probe, or entered on the efficiency
+  assumed for it) measures that efficiency and may be left after --auto_measure_s instead of
+  --auto_dwell_s, by the usual rule; every other stay is a plain one (None). With
+  --noauto_learn_efficiency nothing is measured, and no stay but a plain one."""
+  if config.probe_s > 0 and not modes_before:
     return "first"
-  if stays_before == 1 and switches and switches[-1].get("probe"):
+  if modes_before and mode not in modes_before and config.learn_efficiency:
     return "second"
   return None
 
@@ -244,7 +248,7 @@ def run(config: TrainConfig) -> dict:
       # Sync's progress lines come every log_every global steps (N worker steps each): observe
       # both modes over about the same number of worker steps.
       stay = dataclasses.replace(stay, log_every=max(1, config.log_every // config.num_workers))
-    probe = probe_role(policy_cfg, len(stays), switches)
+    probe = probe_role(policy_cfg, [st["mode"] for st in stays], mode)
     policy = auto_policy.AutoPolicy(policy_cfg, mode, config.local_batch_size, efficiency,
                                     switch_costs(switches),
                                     switches[-1]["decided_unix"] if switches else None, probe,

@@ -76,6 +76,11 @@ class PolicyConfig:
   # to the other mode after this long and one observation, whatever the gain; that mode's first
   # stay may then be left after this long instead of dwell_s, by the usual rule.
   probe_s: float = 0.0
+  # Training seconds before a mode's first stay after another ("second": entered on the
+  # efficiency assumed for it, or after the probe) may be left, instead of dwell_s. The dwell
+  # keeps noise from making the job flap; such a stay was entered on an assumption, not on a
+  # measurement, and is left as soon as a few observations have measured it.
+  measure_s: float = 5.0
 
   def __post_init__(self):
     if not self.margin > 0:
@@ -99,6 +104,8 @@ class PolicyConfig:
       raise ValueError(f"--auto_horizon_s must be > 0, got {self.horizon_s}.")
     if not self.probe_s >= 0:
       raise ValueError(f"--auto_probe_s must be >= 0, got {self.probe_s}.")
+    if not self.measure_s >= 0:
+      raise ValueError(f"--auto_measure_s must be >= 0, got {self.measure_s}.")
     if self.probe_s > 0 and not self.learn_efficiency:
       raise ValueError("--auto_probe_s measures each mode's efficiency at the start; with "
                        "--noauto_learn_efficiency the measured values would not be used. Set one "
@@ -142,8 +149,9 @@ class AutoPolicy:
 
   `probe`: this stay is the start's probe of its mode (`PolicyConfig.probe_s`): "first", it
   moves to the other mode after probe_s seconds and one observation whatever the gain (the
-  decision has `probe` True); "second", the other mode has just been probed, and this one may be
-  left after probe_s seconds instead of dwell_s, by the usual rule.
+  decision has `probe` True); "second", this mode's first stay after another (after the probe, or
+  entered on the efficiency assumed for it): it may be left after measure_s seconds instead of
+  dwell_s, by the usual rule.
 
   `base_step_s`: each mode's base step time as the job knows it (`stay_base_step_s` of its last
   stay; absent before one), from which the other mode's step times are predicted.
@@ -250,7 +258,7 @@ class AutoPolicy:
         return None
       return dict(record, **{"from": self.mode, "to": self.other, "threshold": threshold,
                              "probe": True})
-    min_stay_s = self.config.probe_s if self.probe == "second" else self.config.dwell_s
+    min_stay_s = self.config.measure_s if self.probe == "second" else self.config.dwell_s
     if self._agreeing < self.config.confirm or trained_s < min_stay_s:
       return None
     return dict(record, **{"from": self.mode, "to": self.other, "threshold": threshold,

@@ -137,6 +137,9 @@ class TrainConfig:
   # Seconds of a probe stay in each mode at the start (0: none): both modes' efficiencies are
   # measured before the first decision on them.
   auto_probe_s: float = 0.0
+  # Training seconds before a mode's first stay (entered on the efficiency assumed for it, or
+  # after the probe) may be left on its measured efficiency, instead of auto_dwell_s.
+  auto_measure_s: float = 5.0
   # ShadowSync's elastic alpha (every rule); S-BMUF's step size eta, block momentum and Nesterov;
   # ASGD without gradient delay's maximal staleness tau and algorithm (1, or 2: cycles of tau/2);
   # a delay injected into every sync or merge (tests and benchmarks of background syncing).

@@ -255,7 +255,8 @@ register(Mode(
     run=lazy("tf_gba.training.auto_job:run"), num_aggregate=_m_global_over_local,
     flags=_COMMON | {"auto_margin", "auto_hysteresis", "auto_dwell_s", "auto_confirm",
                      "auto_sync_efficiency", "auto_gba_efficiency", "auto_learn_efficiency",
-                     "auto_switch_cost_s", "auto_horizon_s", "auto_probe_s"},
+                     "auto_switch_cost_s", "auto_horizon_s", "auto_probe_s",
+                     "auto_measure_s"},
     summary_fields=("final_mode", "train_seconds", "switches", "num_switches", "stays",
                     "timeline", "policy", "efficiency", "switch_seconds")))
 
