@@ -64,23 +64,29 @@ def trace_step_seconds(base_seconds, slow_workers, factor: float, window_s: floa
 
 
 def simulated_seconds(step_seconds, interval_s: float, local_batch_size: int, target: float,
-                      efficiency, modes, decisions=(), switch_cost_s: float = 0.0) -> float:
+                      efficiency, modes, decisions=(), switch_cost_s: float = 0.0,
+                      overhead_s=None) -> float:
   """Seconds to train `target` examples: interval i trains in modes[i] at its model QPS (from
   `step_seconds`, [intervals, N], or that mode's own, {mode: [intervals, N]}) times the mode's
-  efficiency (the last interval counted in part); each decision adds the switch's cost after
-  its interval. Raises if the intervals end before the target."""
+  efficiency, or with `overhead_s` ({mode: seconds}) at the model on its step times stretched by
+  the mode's overhead (`tf_gba.simulate.auto.stretched_qps`); the last interval counted in
+  part; each decision adds the switch's cost after its interval. Raises if the intervals end
+  before the target."""
   return _run_to(step_seconds, interval_s, local_batch_size, target, efficiency, modes,
-                 decisions, switch_cost_s)[0]
+                 decisions, switch_cost_s, overhead_s)[0]
 
 
 def _run_to(step_seconds, interval_s, local_batch_size, target, efficiency, modes, decisions,
-            switch_cost_s):
+            switch_cost_s, overhead_s=None):
   """(seconds, the interval in which the target is reached)."""
   after = {d["interval"] for d in decisions}
   seconds = examples = 0.0
   for i, mode in enumerate(modes):
     times = step_seconds[mode][i] if isinstance(step_seconds, dict) else step_seconds[i]
-    qps = predicted_qps(times, local_batch_size)[f"{mode}_qps"] * efficiency[mode]
+    if overhead_s is None:
+      qps = predicted_qps(times, local_batch_size)[f"{mode}_qps"] * efficiency[mode]
+    else:
+      qps = auto_sim.stretched_qps(times, local_batch_size, mode, overhead_s[mode])
     if examples + qps * interval_s >= target:
       return seconds + (target - examples) / qps, i
     seconds += interval_s + (switch_cost_s if i in after else 0.0)
@@ -88,13 +94,33 @@ def _run_to(step_seconds, interval_s, local_batch_size, target, efficiency, mode
   raise ValueError(f"{len(modes)} intervals train {examples:.0f} examples, not {target:.0f}")
 
 
+def observed_pairs(auto_summary: dict) -> dict:
+  """Each mode's observations in the auto run as (per-worker step times, measured QPS) pairs: a
+  stay's `measured_qps`, or, in a summary without it, its timeline points (one per observed
+  interval: the first, start-up, is not one) where no interval was skipped."""
+  pairs = {"sync": [], "gba": []}
+  for stay in auto_summary["stays"]:
+    rows = stay["step_seconds"]
+    qps = stay.get("measured_qps")
+    if qps is None and "start_seconds" in stay and not stay.get("skipped_observations"):
+      end = stay["start_seconds"] + stay["seconds"]
+      points = [p["qps"] for p in auto_summary.get("timeline", [])
+                if p["mode"] == stay["mode"] and stay["start_seconds"] <= p["seconds"] <= end]
+      qps = points if len(points) == len(rows) else None
+    if qps is not None and len(qps) == len(rows):
+      pairs[stay["mode"]] += [(t, q) for t, q in zip(rows, qps) if q > 0]
+  return pairs
+
+
 def simulate(auto_summary: dict, args) -> dict:
   """The simulator's seconds for each mode on the benchmark's trace, given what `auto_summary`
-  measured: the efficiencies, the mean switch cost, each mode's quiet step times (the median of
-  the observations of its stays, as a step's own time depends on the mode; a mode auto never
-  trained in takes the other's) and the mean observation interval; auto with the policy's flags
-  (`tf_gba.simulate.auto.replay`). Also the simulated auto run's switches, at the interval's end
-  on the training clock."""
+  measured: the mean switch cost, each mode's quiet step times (the median of the observations
+  of its stays, as a step's own time depends on the mode; a mode auto never trained in takes the
+  other's), the mean observation interval and each mode's pace beyond the model, two ways: its
+  step overhead (the median over its observations of `step_overhead_seconds`; a mode without
+  one, from its efficiency at its quiet step times), and, under "by_efficiency", its efficiency
+  (as the policy sees it); auto with the policy's flags (`tf_gba.simulate.auto.replay`). Also the
+  simulated auto run's switches, at the interval's end on the training clock."""
   observed = {m: [t for stay in auto_summary["stays"] if stay["mode"] == m
                   for t in stay["step_seconds"]] for m in ("sync", "gba")}
   observations = observed["sync"] + observed["gba"]
@@ -105,35 +131,55 @@ def simulate(auto_summary: dict, args) -> dict:
   measured = auto_summary["efficiency"]
   efficiency = {m: measured.get(m) or auto_summary["policy"][f"{m}_efficiency"]
                 for m in ("sync", "gba")}
+  pairs = observed_pairs(auto_summary)
+  overhead = {}
+  for m in ("sync", "gba"):
+    if pairs[m]:
+      overhead[m] = float(np.median([auto_sim.step_overhead_seconds(t, q, args.local_batch_size, m)
+                                     for t, q in pairs[m]]))
+    else:
+      model = predicted_qps(base[m], args.local_batch_size)[f"{m}_qps"]
+      overhead[m] = auto_sim.step_overhead_seconds(base[m], model * efficiency[m],
+                                                   args.local_batch_size, m)
   costs = [sw["cost_s"] for sw in auto_summary["switches"] if sw.get("cost_s") is not None]
   cost = float(np.mean(costs)) if costs else auto_summary["policy"]["switch_cost_s"]
   slow = [int(w) for w in args.slow_workers.split(",")]
   target = args.steps * args.local_batch_size
-  # Enough intervals for the slowest case: every worker at the slow pace throughout.
-  worst = max(target / predicted_qps(b * args.factor, args.local_batch_size)["sync_qps"]
+  # Enough intervals for the slowest case: every worker at the slow pace throughout, at the
+  # lower of the two paces.
+  worst = max(target / min(predicted_qps(b * args.factor, args.local_batch_size)["sync_qps"]
+                           * min(efficiency.values()),
+                           auto_sim.stretched_qps(b * args.factor, args.local_batch_size, "sync",
+                                                  max(overhead.values())))
               for b in base.values())
-  n = int(worst / min(efficiency.values()) / interval_s) + 2
+  n = int(worst / interval_s) + 2
   times = {m: trace_step_seconds(b, slow, args.factor, args.window_s, interval_s, n)
            for m, b in base.items()}
   out = {"interval_s": interval_s, "base_step_seconds": {m: b.tolist() for m, b in base.items()},
-         "efficiency": efficiency, "switch_cost_s": cost}
-  for mode in ("sync", "gba"):
-    out[mode] = simulated_seconds(times, interval_s, args.local_batch_size, target, efficiency,
-                                  [mode] * n)
+         "efficiency": efficiency, "overhead_s": overhead, "switch_cost_s": cost}
   policy = auto_summary["policy"]
-  rep = auto_sim.replay(times, interval_s, args.local_batch_size, efficiency, cost,
-                        margin=policy["margin"], hysteresis=policy["hysteresis"],
-                        dwell_s=policy["dwell_s"], confirm=policy["confirm"],
-                        horizon_s=policy["horizon_s"], probe_s=policy["probe_s"],
-                        measure_s=policy.get("measure_s", policy["dwell_s"]),
-                        assumed_efficiency={m: policy[f"{m}_efficiency"]
-                                            for m in ("sync", "gba")}
-                        if policy["learn_efficiency"] else None)
-  out["auto"], last = _run_to(times, interval_s, args.local_batch_size, target, efficiency,
-                              rep.modes, rep.decisions, cost)
-  out["auto_switches"] = [
-      {"from": d["from"], "to": d["to"], "training_s": (d["interval"] + 1) * interval_s}
-      for d in rep.decisions if d["interval"] < last]
+  for world, key in ((overhead, None), (None, "by_efficiency")):
+    res = {}
+    for mode in ("sync", "gba"):
+      res[mode] = simulated_seconds(times, interval_s, args.local_batch_size, target, efficiency,
+                                    [mode] * n, overhead_s=world)
+    rep = auto_sim.replay(times, interval_s, args.local_batch_size, efficiency, cost,
+                          margin=policy["margin"], hysteresis=policy["hysteresis"],
+                          dwell_s=policy["dwell_s"], confirm=policy["confirm"],
+                          horizon_s=policy["horizon_s"], probe_s=policy["probe_s"],
+                          measure_s=policy.get("measure_s", policy["dwell_s"]),
+                          assumed_efficiency={m: policy[f"{m}_efficiency"]
+                                              for m in ("sync", "gba")}
+                          if policy["learn_efficiency"] else None, overhead_s=world)
+    res["auto"], last = _run_to(times, interval_s, args.local_batch_size, target, efficiency,
+                                rep.modes, rep.decisions, cost, world)
+    res["auto_switches"] = [
+        {"from": d["from"], "to": d["to"], "training_s": (d["interval"] + 1) * interval_s}
+        for d in rep.decisions if d["interval"] < last]
+    if key is None:
+      out.update(res)
+    else:
+      out[key] = res
   return out
 
 
@@ -356,21 +402,32 @@ def _report(rows, args):
           f"{'met' if mean >= -0.001 else 'NOT met'})")
   sim_rows = [row for row in rows if "simulated" in row]
   if sim_rows:
-    print("\nThe simulator given the auto run's efficiencies, switch cost and quiet step times "
-          "(real: the training loops' seconds, for auto plus its switches' measured cost):\n")
-    print("| seed | mode | real s | simulated s | simulated / real | switches, real | "
-          "switches, simulated |")
-    print("|---|---|---|---|---|---|---|")
+    print("\nThe simulator given the auto run's step overheads, switch cost and quiet step times "
+          "(real: the training loops' seconds, for auto plus its switches' measured cost; by "
+          "efficiency: each mode at its measured efficiency instead of its overhead):\n")
+    print("| seed | mode | real s | simulated s | simulated / real | by efficiency s (/ real) | "
+          "switches, real | switches, simulated | switches, by efficiency |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in sim_rows:
       sim = row["simulated"]
+      by_eff = sim.get("by_efficiency", {})
       for mode in [m for m in args.modes.split(",") if m in row]:
         real = row[mode]["real_seconds_for_simulator"]
-        sw = ("", "")
+        sw = ("", "", "")
         if mode == "auto":
           sw = tuple(", ".join(f"{x['from']}->{x['to']} {x['training_s']:.0f} s" for x in xs)
-                     or "none" for xs in (row["auto_switches"], sim["auto_switches"]))
+                     or "none" for xs in (row["auto_switches"], sim["auto_switches"],
+                                          by_eff.get("auto_switches", [])))
+        eff_s = (f"{by_eff[mode]:.1f} ({by_eff[mode] / real:.2f})" if mode in by_eff else "-")
         print(f"| {row['seed']} | {mode} | {real:.1f} | {sim[mode]:.1f} | "
-              f"{sim[mode] / real:.2f} | {sw[0]} | {sw[1]} |")
+              f"{sim[mode] / real:.2f} | {eff_s} | {sw[0]} | {sw[1]} | {sw[2]} |")
+    for row in sim_rows:
+      sim = row["simulated"]
+      if "overhead_s" in sim:
+        print(f"seed {row['seed']}: overhead per step sync {sim['overhead_s']['sync'] * 1e3:.1f} "
+              f"ms, gba {sim['overhead_s']['gba'] * 1e3:.1f} ms; efficiency sync "
+              f"{sim['efficiency']['sync']:.2f}, gba {sim['efficiency']['gba']:.2f}; switch cost "
+              f"{sim['switch_cost_s']:.1f} s")
   with open(os.path.join(args.out, "results.json"), "w") as f:
     json.dump(rows, f, indent=2)
   return rows

@@ -165,3 +165,51 @@ def test_report_only_reads_the_last_run_and_simulates_it_anew(tmp_path, capsys):
   assert rows[0]["simulated"]["switch_cost_s"] == 2.0
   assert rows[0]["auto_switches"] == [{"from": "sync", "to": "gba", "training_s": 6.0}]
   assert json.loads((tmp_path / "results.json").read_text())[0]["simulated"]["sync"] > 0
+
+
+def test_observed_pairs_from_measured_qps_or_the_timeline():
+  rows = [[0.01, 0.01], [0.02, 0.01]]
+  with_qps = {"mode": "sync", "step_seconds": rows, "measured_qps": [800.0, 500.0]}
+  # An older summary: the stay's timeline points, one per observed interval.
+  from_timeline = {"mode": "gba", "step_seconds": rows, "start_seconds": 10.0, "seconds": 5.0,
+                   "skipped_observations": 0}
+  timeline = [{"mode": "sync", "seconds": 3.0, "qps": 1.0},
+              {"mode": "gba", "seconds": 12.0, "qps": 600.0},
+              {"mode": "gba", "seconds": 13.0, "qps": 700.0},
+              {"mode": "sync", "seconds": 16.0, "qps": 1.0}]
+  pairs = auto_mode.observed_pairs({"stays": [with_qps, from_timeline], "timeline": timeline})
+  assert pairs["sync"] == [(rows[0], 800.0), (rows[1], 500.0)]
+  assert pairs["gba"] == [(rows[0], 600.0), (rows[1], 700.0)]
+  # Points that do not match the observations one to one: none taken.
+  pairs = auto_mode.observed_pairs({"stays": [from_timeline], "timeline": timeline[:2]})
+  assert pairs["gba"] == []
+  skipped = dict(from_timeline, skipped_observations=1)
+  pairs = auto_mode.observed_pairs({"stays": [skipped], "timeline": timeline})
+  assert pairs["gba"] == []
+
+
+def test_simulate_with_the_step_overhead_each_mode_measured():
+  # Sync's observations: own steps 10 ms, measured at 2 x 8 / 0.03 (20 ms beyond the slowest
+  # worker); GBA's: 30 ms, measured at 8 x 2 / 0.035 (5 ms beyond). Worker 1 is 4x slower in
+  # [2, 4) s of a 3,000-step run.
+  sync_rows, gba_rows = [[0.01, 0.01]] * 3, [[0.03, 0.03]] * 3
+  stays = [{"mode": "sync", "step_seconds": sync_rows, "measured_qps": [16 / 0.03] * 3,
+            "train_seconds": 4.0},
+           {"mode": "gba", "step_seconds": gba_rows, "measured_qps": [16 / 0.035] * 3,
+            "train_seconds": 4.0}]
+  switches = [{"from": "sync", "to": "gba", "trained_s_in_mode": 3.0, "cost_s": 1.0}]
+  summary = _summary(stays, switches, {"sync": 1 / 3, "gba": 0.03 / 0.035})
+  args = _args(slow_workers="1", window_s=2.0, steps=3000, local_batch_size=8)
+  sim = auto_mode.simulate(summary, args)
+  assert sim["overhead_s"] == pytest.approx({"sync": 0.02, "gba": 0.005})
+  interval = sim["interval_s"]
+  n = 400
+  times = auto_mode.trace_step_seconds([0.01, 0.01], [1], 4.0, 2.0, interval, n)
+  rates = 2 * 8 / (times.max(axis=1) + 0.02)
+  done = np.cumsum(rates * interval)
+  i = int(np.searchsorted(done, 3000 * 8))
+  want = i * interval + (3000 * 8 - (done[i - 1] if i else 0.0)) / rates[i]
+  assert sim["sync"] == pytest.approx(want)
+  # By efficiency the slow window costs Sync more: 1/3 of 2 x 8 / 0.04 there, not 2 x 8 / 0.06.
+  assert sim["by_efficiency"]["sync"] > sim["sync"]
+  assert set(sim["by_efficiency"]) >= {"sync", "gba", "auto", "auto_switches"}

@@ -584,6 +584,62 @@ def test_a_stay_entered_on_an_assumed_efficiency_is_left_once_measured():
     assert [d["expected_gain"] for d in got.decisions] == pytest.approx([w[3] for w in want])
 
 
+def test_stretched_qps_and_step_overhead_against_numpy():
+  times = np.array([0.01, 0.02, 0.04])
+  for o in (0.0, 0.005, 0.03):
+    sync_ref = 3 * 8 / (times.max() + o)
+    gba_ref = 8 * np.sum(1.0 / (times + o))
+    assert simulate_auto.stretched_qps(times, 8, "sync", o) == pytest.approx(sync_ref)
+    assert simulate_auto.stretched_qps(times, 8, "gba", o) == pytest.approx(gba_ref)
+    # The overhead is the stretch's inverse.
+    assert simulate_auto.step_overhead_seconds(times, sync_ref, 8, "sync") == pytest.approx(
+        o, abs=1e-9)
+    assert simulate_auto.step_overhead_seconds(times, gba_ref, 8, "gba") == pytest.approx(
+        o, abs=1e-9)
+  # A measurement at or above the model: no overhead.
+  assert simulate_auto.step_overhead_seconds(times, 1e9, 8, "gba") == 0.0
+  assert simulate_auto.step_overhead_seconds(times, 3 * 8 / 0.04, 8, "sync") == 0.0
+  with pytest.raises(ValueError, match="measured QPS"):
+    simulate_auto.step_overhead_seconds(times, 0.0, 8, "sync")
+  # Why an overhead: Sync with 7.6-ms own steps and 29 ms beyond them reaches 0.21 of its model;
+  # with two of four workers 4x slower, the same overhead is 0.51 of the model.
+  quiet, slow = np.full(4, 0.0076), np.array([0.0304, 0.0304, 0.0076, 0.0076])
+  eff = [simulate_auto.stretched_qps(t, 256, "sync", 0.029) / (4 * 256 / t.max())
+         for t in (quiet, slow)]
+  assert eff == pytest.approx([0.0076 / 0.0366, 0.0304 / 0.0594])
+
+
+def test_replay_with_step_overheads():
+  # Two of four workers 4x slower in intervals 10-19 of 40. Sync takes 0.1 s beyond its slowest
+  # worker: pure Sync (it never leaves: margin 100) trains at 4 x 256 / (max t + 0.1).
+  times = np.full((40, 4), 0.1)
+  times[10:20, :2] = 0.4
+  rule = dict(margin=100.0, hysteresis=0.0, dwell_s=0.0, confirm=1)
+  over = {"sync": 0.1, "gba": 0.0}
+  pure = simulate_auto.replay(times, 5.0, 256, {"sync": 1.0, "gba": 1.0}, 20.0, overhead_s=over,
+                              **rule)
+  assert pure.decisions == [] and pure.modes == ["sync"] * 40
+  assert pure.examples == pytest.approx(np.sum(5.0 * 4 * 256 / (times.max(axis=1) + 0.1)))
+  # With the same pace everywhere an overhead and an efficiency are the same world: Sync at
+  # 5,120 = 0.5 of its model, GBA at 10,240 (no overhead); both leave Sync at its first
+  # observation and stay in GBA, whose learned efficiency (1.0) keeps the gain at 2.
+  quiet = np.full((40, 4), 0.1)
+  eager = dict(margin=0.3, hysteresis=0.15, dwell_s=0.0, confirm=1)
+  by_overhead = simulate_auto.replay(quiet, 5.0, 256, {"sync": 1.0, "gba": 1.0}, 20.0,
+                                     overhead_s=over, assumed_efficiency={"sync": 1.0, "gba": 1.0},
+                                     **eager)
+  by_efficiency = simulate_auto.replay(quiet, 5.0, 256, {"sync": 0.5, "gba": 1.0}, 20.0,
+                                       assumed_efficiency={"sync": 1.0, "gba": 1.0}, **eager)
+  for got in (by_overhead, by_efficiency):
+    assert [(d["interval"], d["to"]) for d in got.decisions] == [(1, "gba")]
+    assert got.examples == pytest.approx(5.0 * (2 * 5120 + 38 * 10240))
+  # In the slow window the two differ: Sync by overhead 4 x 256 / 0.5 = 2,048, by efficiency
+  # 0.5 x 4 x 256 / 0.4 = 1,280.
+  sync_only = dict(rule)
+  by_eff = simulate_auto.replay(times, 5.0, 256, {"sync": 0.5, "gba": 1.0}, 20.0, **sync_only)
+  assert (pure.examples - by_eff.examples) == pytest.approx(5.0 * 10 * (2048 - 1280))
+
+
 def test_probe_roles_of_the_stays():
   from tf_gba.training import auto_job  # pylint: disable=g-import-not-at-top
   probing, plain = PolicyConfig(probe_s=5.0), PolicyConfig()

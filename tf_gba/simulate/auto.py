@@ -64,6 +64,40 @@ def expected_qps(step_seconds, local_batch_size: int, mode: str, measured_qps: f
           "gain": expected[GBA] / expected[SYNC], "scale": float(scale)}
 
 
+def stretched_qps(step_seconds, local_batch_size: int, mode: str, overhead_s: float) -> float:
+  """A mode's QPS when each step takes `overhead_s` seconds beyond the workers' own step times
+  (a Sync step max_i t_i + o, a GBA worker's step t_i + o): the model on the stretched times.
+  Where the own step times change (a straggler window), an overhead stays about what it was,
+  while an efficiency (measured / model QPS) does not: with a 7.6-ms own step and 29 ms beyond
+  it, Sync reaches 0.21 of its model; with the workers 4x slower, 0.51."""
+  times = np.asarray(step_seconds, np.float64) + float(overhead_s)
+  return predicted_qps(times, local_batch_size)[f"{mode}_qps"]
+
+
+def step_overhead_seconds(step_seconds, measured_qps: float, local_batch_size: int,
+                          mode: str) -> float:
+  """The overhead o >= 0 at which `stretched_qps` is `measured_qps`: what a step took beyond the
+  workers' own step times (the all-reduce, the parameter-server round trips, waiting for a
+  core); 0 where the model from the own times is at or below the measurement."""
+  times = np.asarray(step_seconds, np.float64)
+  qps = float(measured_qps)
+  if not qps > 0:
+    raise ValueError(f"measured QPS must be > 0, got {measured_qps}")
+  if stretched_qps(times, local_batch_size, mode, 0.0) <= qps:
+    return 0.0
+  if mode == SYNC:
+    return times.size * local_batch_size / qps - float(times.max())
+  # GBA: B x sum_i 1 / (t_i + o) falls with o, and is at most N x B / o: bisect on [0, N B / qps].
+  lo, hi = 0.0, times.size * local_batch_size / qps
+  for _ in range(100):
+    mid = 0.5 * (lo + hi)
+    if stretched_qps(times, local_batch_size, mode, mid) > qps:
+      lo = mid
+    else:
+      hi = mid
+  return 0.5 * (lo + hi)
+
+
 def saved_seconds(expected: Dict[str, float], mode: str, horizon_s: float) -> float:
   """Seconds saved by training `horizon_s` seconds' worth of the other mode's examples there
   instead of in `mode`: horizon x (other's QPS / this one's - 1) (negative if slower)."""
@@ -82,7 +116,8 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
            efficiency: Dict[str, float], switch_cost_s: float, *, margin: float = 0.3,
            hysteresis: float = 0.15, dwell_s: float = 20.0, confirm: int = 2,
            horizon_s: float = 60.0, start: str = SYNC, probe_s: float = 0.0,
-           measure_s: float = 5.0, assumed_efficiency: Optional[Dict[str, float]] = None) -> Replay:
+           measure_s: float = 5.0, assumed_efficiency: Optional[Dict[str, float]] = None,
+           overhead_s: Optional[Dict[str, float]] = None) -> Replay:
   """Replays `--mode=auto` over intervals of per-worker step times ([intervals, N]), or of each
   mode's own ({mode: [intervals, N]}): a step's own time depends on the mode (a GBA step holds
   its parameter-server round trips, a Sync step not its all-reduce), and the job sees the
@@ -95,6 +130,10 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
   as the job learns it, and so is its base step time (`base_step_seconds` of the stay's observed
   intervals). With `assumed_efficiency`, a mode's first stay after another (after the probe, or
   entered on the assumption) may be left after `measure_s` seconds instead of `dwell_s`.
+
+  `overhead_s`: each mode trains at `stretched_qps` with this overhead per step instead of at its
+  model QPS times `efficiency`; a stay then teaches the job the mean of its observed intervals'
+  efficiencies (measured / model QPS), as the job learns it.
   """
   horizon = max(horizon_s, dwell_s)
   mode, in_mode, agreeing, first = start, 0.0, 0, True
@@ -103,6 +142,7 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
   known = dict(efficiency if assumed_efficiency is None else assumed_efficiency)
   base: Dict[str, Optional[float]] = {}
   observed: List = []  # this stay's observed intervals' step times
+  observed_efficiency: List[float] = []  # and their measured / model QPS
   decisions, modes = [], []
   seconds = examples = 0.0
   per_mode = {m: np.asarray(step_seconds[m] if isinstance(step_seconds, dict) else step_seconds,
@@ -110,7 +150,8 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
   for i in range(min(len(t) for t in per_mode.values())):
     times = per_mode[mode][i]
     model = predicted_qps(times, local_batch_size)
-    qps = model[f"{mode}_qps"] * efficiency[mode]
+    qps = (model[f"{mode}_qps"] * efficiency[mode] if overhead_s is None
+           else stretched_qps(times, local_batch_size, mode, overhead_s[mode]))
     modes.append(mode)
     seconds += interval_s
     examples += qps * interval_s
@@ -119,6 +160,7 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
       first = False
       continue
     observed.append(times)
+    observed_efficiency.append(qps / model[f"{mode}_qps"])
     # This mode's base step time from this stay so far, the other's from its last stay.
     e = expected_qps(times, local_batch_size, mode, qps, known,
                      step_scale(dict(base, **{mode: base_step_seconds(observed)}), mode))
@@ -133,9 +175,12 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
       decisions.append({"interval": i, "from": mode, "to": other_mode(mode),
                         "expected_gain": e["gain"], "saved_s": saved,
                         "step_scale": e["scale"], "probe": probe == "first"})
-      known[mode] = efficiency[mode]  # the stay's measured efficiency, learned at its end
+      # The stay's measured efficiency, learned at its end.
+      known[mode] = (efficiency[mode] if overhead_s is None
+                     else float(np.mean(observed_efficiency)))
       base[mode] = base_step_seconds(observed)
       mode, in_mode, agreeing, first, observed = other_mode(mode), 0.0, 0, True, []
+      observed_efficiency = []
       seconds += switch_cost_s
       # The next stay measures an assumed efficiency: its mode's first stay (auto_job.probe_role).
       probe = ("second" if assumed_efficiency is not None and mode not in visited else None)

@@ -293,7 +293,8 @@ def run(config: TrainConfig) -> dict:
                   "efficiency": stay_efficiency, "base_step_s": info.get("base_step_s"),
                   "observations": len(observations),
                   "skipped_observations": info.get("skipped", 0),
-                  "step_seconds": [o["per_worker_step_seconds"] for o in observations]})
+                  "step_seconds": [o["per_worker_step_seconds"] for o in observations],
+                  "measured_qps": [o["measured_qps"] for o in observations]})
     timeline += [{"seconds": p["unix"] - t_start, "mode": mode, "qps": p["qps"],
                   "step": done_steps + p["steps"]} for p in points]
     if decision is not None:
