@@ -654,3 +654,18 @@ def test_probe_roles_of_the_stays():
   # Efficiencies held: nothing is measured, every stay is plain.
   held = PolicyConfig(learn_efficiency=False)
   assert auto_job.probe_role(held, ["sync"], "gba") is None
+
+
+def test_the_summary_names_each_stays_role(capsys):
+  from tf_gba.training import auto_job  # pylint: disable=g-import-not-at-top
+  stay = {"start_step": 0, "steps": 40, "seconds": 10.0, "train_seconds": 8.0,
+          "global_qps": 1000.0, "efficiency": 0.5}
+  auto_job.print_auto({"steps": 120, "wall_seconds": 30.0, "train_seconds": 24.0,
+                       "global_qps": 1000.0, "num_switches": 0, "eval_auc": 0.7, "switches": [],
+                       "stays": [dict(stay, mode="sync", probe="first"),
+                                 dict(stay, mode="gba", probe="second"),
+                                 dict(stay, mode="sync", probe=None)]})
+  lines = [l for l in capsys.readouterr().out.splitlines() if "from step" in l]
+  assert lines[0].endswith("efficiency 0.50) (probe)")
+  assert lines[1].endswith("efficiency 0.50) (first stay: measures its efficiency)")
+  assert lines[2].endswith("efficiency 0.50)")

@@ -368,6 +368,10 @@ def describe_breakdown(breakdown: dict) -> str:
   return ", ".join(out)
 
 
+# How the summary names a stay's `probe` role (`probe_role`).
+_STAY_ROLE = {"first": " (probe)", "second": " (first stay: measures its efficiency)"}
+
+
 def print_auto(s: dict) -> None:
   lines = ["=" * 72,
            f"auto: {s['steps']} worker steps in {s['wall_seconds']:.1f} s (switches included; "
@@ -377,7 +381,7 @@ def print_auto(s: dict) -> None:
     eff = "" if st.get("efficiency") is None else f", efficiency {st['efficiency']:.2f}"
     lines.append(f"  {st['mode']:<5} from step {st['start_step']:>7}: {st['steps']} steps, "
                  f"{st['seconds']:.1f} s ({st['train_seconds']:.1f} s training, QPS "
-                 f"{st['global_qps']:,.0f}{eff}){' (probe)' if st.get('probe') else ''}")
+                 f"{st['global_qps']:,.0f}{eff}){_STAY_ROLE.get(st.get('probe'), '')}")
   for sw in s["switches"]:
     cost = ("not measured (the run ended first)" if sw.get("cost_s") is None else
             f"{sw['cost_s']:.1f} s ({describe_breakdown(sw['cost_breakdown_s'])})")
