@@ -33,6 +33,20 @@ def other_mode(mode: str) -> str:
   return GBA if mode == SYNC else SYNC
 
 
+def stay_role(modes_before: Sequence[str], mode: str, probe_s: float,
+              learns_efficiency: bool) -> Optional[str]:
+  """A stay's `probe` role, given the modes of the stays before it: "first", the start's probe
+  (`probe_s` > 0), which hands over to measure the other mode; "second", a mode's first stay
+  after another (after the probe, or entered on the efficiency assumed for it), which measures
+  that efficiency and may be left after measure_s instead of dwell_s, when the job learns
+  efficiencies; None, a plain stay."""
+  if probe_s > 0 and not modes_before:
+    return "first"
+  if modes_before and mode not in modes_before and learns_efficiency:
+    return "second"
+  return None
+
+
 def base_step_seconds(step_seconds: Sequence) -> Optional[float]:
   """A stay's base step time: the median over its intervals ([intervals, N] per-worker step
   times) of the fastest worker's; None for no interval."""
@@ -137,8 +151,9 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
   """
   horizon = max(horizon_s, dwell_s)
   mode, in_mode, agreeing, first = start, 0.0, 0, True
-  probe = "first" if probe_s > 0 else None
-  visited = {mode}
+  learns = assumed_efficiency is not None
+  stays = [mode]  # the mode of each stay so far
+  probe = stay_role([], mode, probe_s, learns)
   known = dict(efficiency if assumed_efficiency is None else assumed_efficiency)
   base: Dict[str, Optional[float]] = {}
   observed: List = []  # this stay's observed intervals' step times
@@ -182,7 +197,6 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
       mode, in_mode, agreeing, first, observed = other_mode(mode), 0.0, 0, True, []
       observed_efficiency = []
       seconds += switch_cost_s
-      # The next stay measures an assumed efficiency: its mode's first stay (auto_job.probe_role).
-      probe = ("second" if assumed_efficiency is not None and mode not in visited else None)
-      visited.add(mode)
+      probe = stay_role(stays, mode, probe_s, learns)
+      stays.append(mode)
   return Replay(decisions, modes, seconds, examples)

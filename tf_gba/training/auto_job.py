@@ -35,6 +35,7 @@ import numpy as np
 import tf_keras as keras
 
 from tf_gba.distribute import stragglers as stragglers_lib
+from tf_gba.simulate import auto as auto_sim
 from tf_gba.training import auto_policy
 from tf_gba.training import summary as summary_lib
 from tf_gba.training.config import TrainConfig
@@ -119,12 +120,9 @@ def probe_role(config: auto_policy.PolicyConfig, modes_before: Sequence[str],
   a mode's first stay after another ("second": after the probe, or entered on the efficiency
   assumed for it) measures that efficiency and may be left after --auto_measure_s instead of
   --auto_dwell_s, by the usual rule; every other stay is a plain one (None). With
-  --noauto_learn_efficiency nothing is measured, and no stay but a plain one."""
-  if config.probe_s > 0 and not modes_before:
-    return "first"
-  if modes_before and mode not in modes_before and config.learn_efficiency:
-    return "second"
-  return None
+  --noauto_learn_efficiency nothing is measured, and no stay but a plain one
+  (`tf_gba.simulate.auto.stay_role`, which the simulator's replay applies too)."""
+  return auto_sim.stay_role(modes_before, mode, config.probe_s, config.learn_efficiency)
 
 
 def _warm_ps_forker(log_dir: str) -> None:

@@ -74,7 +74,7 @@ class PolicyConfig:
   horizon_s: float = 60.0      # the stay over which a switch must pay (at least dwell_s)
   # Training seconds of a probe stay in each mode at the start (0: none): the first stay moves
   # to the other mode after this long and one observation, whatever the gain; that mode's first
-  # stay may then be left after this long instead of dwell_s, by the usual rule.
+  # stay may then be left after measure_s instead of dwell_s, by the usual rule.
   probe_s: float = 0.0
   # Training seconds before a mode's first stay after another ("second": entered on the
   # efficiency assumed for it, or after the probe) may be left, instead of dwell_s. The dwell
