@@ -391,7 +391,7 @@ def _supervise() -> int:
             "the same command to resume from the last checkpoint.", file=sys.stderr, flush=True)
       return interrupt.exit_code(received[0])
     # A process group of its own: Ctrl-C reaches this process only, which forwards it once.
-    child = subprocess.Popen([sys.executable] + sys.argv, env=env, process_group=0)
+    child = _start_job(env)
     current["child"] = child
     rc = child.wait()
     if received:
@@ -416,6 +416,70 @@ def _supervise() -> int:
     print(f"train.py: restarting the job from its last checkpoint (restart {restarts} of at most "
           f"{FLAGS.max_restarts}).", file=sys.stderr, flush=True)
     time.sleep(1.0)
+
+
+def _start_job(env):
+  """The job as a child process in a process group of its own: a new interpreter running this
+  command, or, in a supervisor that has imported TensorFlow without running it (a fork of a
+  process that had: tests/script_process.py), a fork of this process, which need not import it
+  again (as tf_gba.distribute.server_forker forks servers)."""
+  if not _tensorflow_imported_unused():
+    return subprocess.Popen([sys.executable] + sys.argv, env=env, process_group=0)
+  for stream in (sys.stdout, sys.stderr):  # or the fork writes what is buffered a second time
+    stream.flush()
+  pid = os.fork()
+  if pid:
+    return _ForkedJob(pid)
+  code = 1
+  try:
+    os.setpgid(0, 0)
+    for signum in interrupt.SIGNALS:
+      signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else
+                    signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(env)
+    _entry([sys.argv[0]])  # the job (this process is no supervisor now: _SUPERVISOR_ENV is set)
+    code = 0
+  except SystemExit as e:
+    code = e.code if isinstance(e.code, int) else 1
+  except BaseException:  # pylint: disable=broad-except
+    sys.excepthook(*sys.exc_info())  # as an interpreter ends on an uncaught exception
+  finally:
+    exiting.exit_now(code)
+
+
+def _tensorflow_imported_unused() -> bool:
+  if "tensorflow" not in sys.modules or os.environ.get("TF_GBA_FORK_SERVERS", "1") in (
+      "0", "false", "False", ""):
+    return False
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  ctx = context.context_safe()
+  return ctx is None or getattr(ctx, "_context_handle", None) is None
+
+
+class _ForkedJob:
+  """What the supervisor uses of a `subprocess.Popen`, for a job forked from it."""
+
+  def __init__(self, pid: int):
+    self.pid, self.returncode = pid, None
+
+  def _reap(self, flags: int) -> None:
+    if self.returncode is None:
+      pid, status = os.waitpid(self.pid, flags)
+      if pid:
+        self.returncode = os.waitstatus_to_exitcode(status)
+
+  def poll(self):
+    self._reap(os.WNOHANG)
+    return self.returncode
+
+  def wait(self) -> int:
+    self._reap(0)
+    return self.returncode
+
+  def send_signal(self, signum: int) -> None:
+    if self.returncode is None:
+      os.kill(self.pid, signum)
 
 
 def _watch_supervisor(pid: int) -> None:

@@ -200,6 +200,32 @@ def test_a_preforked_forker_is_a_fork_of_the_process_and_serves_its_clusters(tmp
   assert (tmp_path / "server_forker.log").exists()
 
 
+def test_a_fork_has_none_of_its_parents_forkers_and_no_lock_held(monkeypatch):
+  """`prefork` forks while it holds its environment's lock. A process forked from that forker
+  (the binary's job, forked by its supervisor when that is itself a fork: tests/script_process.py)
+  waited forever for the lock in its own `prefork`; and a parent's forkers are not the child's
+  (their pipes are the parent's)."""
+  # pylint: disable=protected-access
+  forkers, locks = {}, {}
+  monkeypatch.setattr(server_forker, "_FORKERS", forkers)
+  monkeypatch.setattr(server_forker, "_KEY_LOCKS", locks)
+  env = {"TF_CPP_MIN_LOG_LEVEL": "9"}
+  key, lock = server_forker._key_lock(env)
+  forkers[key] = object()
+  with lock:
+    pid = os.fork()
+    if pid == 0:
+      code = 1
+      try:
+        if not forkers and not locks:
+          code = 0 if server_forker._key_lock(env)[1].acquire(timeout=5) else 2
+      finally:
+        os._exit(code)
+  _, status = os.waitpid(pid, 0)
+  assert os.waitstatus_to_exitcode(status) == 0
+  assert forkers and locks  # the parent's own are untouched
+
+
 def test_one_forker_starting_does_not_hold_up_another_environments(monkeypatch, tmp_path):
   """Starting a forker takes seconds (its TensorFlow import): a cluster of another environment
   (--mode=auto's Sync workers while the parameter servers' forker warms) does not wait for it;

@@ -14,13 +14,13 @@ import gzip
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
 
+from tests import script_process
 from tests.e2e import documented_commands
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -135,10 +135,8 @@ def test_every_documented_command_is_accepted_as_written(tmp_path):
               "args": ["--modes=sync,nosuch", f"--out={tmp_path / 'refused'}"]}]
   with open(tmp_path / "commands.json", "w") as f:
     json.dump(jobs + refused, f)
-  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run([sys.executable, _CHECK, str(tmp_path / "commands.json"),
-                         str(tmp_path / "results.json")], cwd=_ROOT, env=env,
-                        capture_output=True, text=True, timeout=600)
+  proc = script_process.run([str(tmp_path / "commands.json"), str(tmp_path / "results.json")],
+                            script=_CHECK, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   with open(tmp_path / "results.json") as f:
     results = json.load(f)
@@ -173,12 +171,11 @@ def test_every_documented_command_is_accepted_as_written(tmp_path):
 def test_dry_run_of_a_server_task_starts_nothing(tmp_path):
   """A real cluster's ps task would serve until killed; dry, it checks and exits at once."""
   model_dir = tmp_path / "never_made"
-  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+  env = dict(os.environ,
              TF_CONFIG=json.dumps({"cluster": {"chief": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]},
                                    "task": {"type": "ps", "index": 0}}))
-  proc = subprocess.run([sys.executable, "examples/train.py", "--dry_run",
-                         f"--model_dir={model_dir}", "--keep_logs"], cwd=_ROOT, env=env,
-                        capture_output=True, text=True, timeout=300)
+  proc = script_process.run(["--dry_run", f"--model_dir={model_dir}", "--keep_logs"], env=env,
+                            timeout=300)
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.splitlines() == [
       f"train.py: dry run: --mode=gba --data=synthetic --model_dir={model_dir} valid; nothing "

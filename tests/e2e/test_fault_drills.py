@@ -1,10 +1,11 @@
 """Fault drills: kill -9 of a worker, a parameter server or the coordinator in the middle of a run.
 
-Each drill runs the training binary as a user does (a subprocess, real server processes on
-127.0.0.1), waits until training is under way, kills one process with SIGKILL and checks that the
-run (or, for the coordinator, the rerun of the same command) ends at the requested global step,
-with at most one checkpoint interval of steps trained again, and an AUC no more than 0.03 below
-the one of an undisturbed run. Every drill runs under a time limit: a hang fails it.
+Each drill runs the training binary as a user does (a subprocess, forked as
+tests/script_process.py starts it; real server processes on 127.0.0.1), waits until training is
+under way, kills one process with SIGKILL and checks that the run (or, for the coordinator, the
+rerun of the same command) ends at the requested global step, with at most one checkpoint
+interval of steps trained again, and an AUC no more than 0.03 below the one of an undisturbed
+run. Every drill runs under a time limit: a hang fails it.
 """
 
 import fcntl
@@ -20,6 +21,8 @@ import time
 import warnings
 
 import pytest
+
+from tests import script_process
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _STEPS = 400          # worker steps
@@ -49,9 +52,9 @@ class _Run:
   """The binary as a subprocess, its output collected as it comes."""
 
   def __init__(self, mode, model_dir, command=None):
-    self.proc = subprocess.Popen(command or _command(mode, model_dir), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=_env(model_dir),
-                                 cwd=_ROOT)
+    command = command or _command(mode, model_dir)
+    assert command[:2] == [sys.executable, os.path.join(_ROOT, "examples", "train.py")], command
+    self.proc = script_process.start(command[2:], env=_env(model_dir), cwd=_ROOT)
     self.out, self.err = [], []
     self._threads = [threading.Thread(target=self._pump, args=(s, b), daemon=True)
                      for s, b in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
@@ -122,16 +125,20 @@ def _cmdline(pid):
     return ""
 
 
+def _comm(pid):
+  try:
+    with open(f"/proc/{pid}/comm") as f:
+      return f.read().strip()
+  except OSError:
+    return ""
+
+
 def _task(pid):
   """The task a local cluster's server process serves ("ps:0", "tfdata_worker:1"), else None.
   A server forked by tf_gba.distribute.server_forker carries it as its name (its command line is
   the forker's); one started as `python -m tf_gba.distribute.server` (TF_GBA_FORK_SERVERS=0) in
   its arguments."""
-  try:
-    with open(f"/proc/{pid}/comm") as f:
-      name = f.read().strip()
-  except OSError:
-    return None
+  name = _comm(pid)
   if re.fullmatch(r"(ps|worker|tfdata_worker):\d+", name):
     return name
   cmd = _cmdline(pid).split()
@@ -373,7 +380,7 @@ def test_killed_coordinator_resumes_when_the_command_is_rerun(tmp_path, tmp_path
 def _job_process(root_pid):
   """The job the binary's supervisor runs: the train.py process whose parent is one too."""
   for pid in _descendants(root_pid):
-    if "examples/train.py" in _cmdline(pid):
+    if "examples/train.py" in _cmdline(pid) or _comm(pid) == "train.py":  # run, or forked
       return pid
   pytest.fail(f"no job process under the supervisor {root_pid}")
 

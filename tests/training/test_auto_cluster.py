@@ -5,18 +5,16 @@ a straggler profile (the binary's default) auto still measures every worker's st
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 
+from tests import script_process
 import pytest
 import tensorflow as tf
 
 from tf_gba.training import runner
 from tf_gba.training.config import TrainConfig
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WINDOW_S = 10.0  # the trace's window: worker 1 is 4x slower between 10 s and 20 s of its clock
 STEPS = 480
 
@@ -131,14 +129,12 @@ def test_binary_without_a_profile_measures_both_modes_and_the_switch(tmp_path):
   # a user runs it, small, with GBA assumed at 10x its model (Sync measures at most its model),
   # so that it switches at its first observation and both modes are measured.
   model_dir = str(tmp_path / "model")
-  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run(
-      [sys.executable, os.path.join(_ROOT, "examples", "train.py"), "--mode=auto",
-       "--model=deepfm", "--data=synthetic", "--data_options=num_examples=2000,vocab_size=4000",
-       "--num_workers=2", "--local_batch_size=32", "--steps=128", "--log_every=16",
-       "--eval_examples=256", "--auto_dwell_s=0", "--auto_confirm=1",
-       "--auto_gba_efficiency=10", "--export_dir=", f"--model_dir={model_dir}"],
-      capture_output=True, text=True, timeout=600, env=env, cwd=_ROOT, check=False)
+  proc = script_process.run(
+      ["--mode=auto", "--model=deepfm", "--data=synthetic",
+       "--data_options=num_examples=2000,vocab_size=4000", "--num_workers=2",
+       "--local_batch_size=32", "--steps=128", "--log_every=16", "--eval_examples=256",
+       "--auto_dwell_s=0", "--auto_confirm=1", "--auto_gba_efficiency=10", "--export_dir=",
+       f"--model_dir={model_dir}"], timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "step times must be > 0" not in proc.stdout + proc.stderr
   with open(os.path.join(model_dir, "summary.json")) as f:

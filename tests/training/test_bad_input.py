@@ -1,7 +1,8 @@
 """Bad input to the training binary: one line on stderr that says what to fix, exit code 2.
 
-The binary runs as a subprocess, as a user runs it; the faults are found before any server starts
-(except the checkpoint faults, which need a run to write checkpoints first).
+The binary runs as a subprocess, as a user runs it (forked: tests/script_process.py); the faults
+are found before any server starts (except the checkpoint faults, which need a run to write
+checkpoints first).
 """
 
 import glob
@@ -15,6 +16,7 @@ import sys
 
 import pytest
 
+from tests import script_process
 from tests import shared_data
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,8 +25,12 @@ _SMALL = ["--num_workers=1", "--num_ps=1", "--steps=20", "--log_every=10",
 
 
 def _train(*args, timeout=300, prefix=(), env=None):
-  env = dict(os.environ, **(env or {}),
-             PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  """The binary with _SMALL's flags and `args`, forked as tests/script_process.py runs it; with a
+  command `prefix`, a new interpreter under it."""
+  env = dict(os.environ, **(env or {}))
+  if not prefix:
+    return script_process.run([*_SMALL, *args], env=env, timeout=timeout)
+  env["PYTHONPATH"] = _ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
   return subprocess.run([*prefix, sys.executable, os.path.join(_ROOT, "examples", "train.py"),
                          *_SMALL, *args], capture_output=True, text=True, timeout=timeout,
                         env=env, cwd=_ROOT, check=False)
@@ -133,12 +139,8 @@ _TF_CLUSTER = {"chief": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"],
 ])
 def test_bad_tf_config(tmp_path, tf_config, flags, expected):
   # (_SMALL's --num_workers=1 is not passed here: under TF_CONFIG the cluster sets it.)
-  proc = subprocess.run(
-      [sys.executable, os.path.join(_ROOT, "examples", "train.py"), "--steps=20",
-       f"--model_dir={tmp_path / 'm'}", *flags], capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, TF_CONFIG=tf_config,
-               PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
-      cwd=_ROOT, check=False)
+  proc = script_process.run(["--steps=20", f"--model_dir={tmp_path / 'm'}", *flags],
+                            env=dict(os.environ, TF_CONFIG=tf_config))
   assert _error_line(proc).startswith(expected)
   assert not (tmp_path / "m").exists()
 
@@ -153,13 +155,10 @@ def test_chief_says_whom_it_waits_for_and_gives_up(tmp_path):
       ports.append(s.getsockname()[1])
   cluster = {"chief": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"],
              "worker": [f"127.0.0.1:{ports[2]}"]}
-  proc = subprocess.run(
-      [sys.executable, os.path.join(_ROOT, "examples", "train.py"), "--steps=20",
-       "--input=sharded", "--cluster_wait_s=6", f"--model_dir={tmp_path / 'm'}"],
-      capture_output=True, text=True, timeout=300, cwd=_ROOT, check=False,
+  proc = script_process.run(
+      ["--steps=20", "--input=sharded", "--cluster_wait_s=6", f"--model_dir={tmp_path / 'm'}"],
       env=dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster,
-                                                 "task": {"type": "chief", "index": 0}}),
-               PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+                                                 "task": {"type": "chief", "index": 0}})))
   assert proc.returncode == 1, proc.stderr[-3000:]
   waiting = f"ps:0 at 127.0.0.1:{ports[1]}, worker:0 at 127.0.0.1:{ports[2]}"
   assert f"tf_gba: waiting for {waiting} (5 s of --cluster_wait_s=6)" in proc.stdout

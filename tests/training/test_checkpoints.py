@@ -9,21 +9,17 @@ import sys
 import time
 
 import numpy as np
+from tests import script_process
 import pytest
 import tensorflow as tf
 
 from tf_gba.training import preflight
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def _train(*args, timeout=400):
-  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  return subprocess.run([sys.executable, os.path.join(_ROOT, "examples", "train.py"),
-                         "--stragglers=none", "--local_batch_size=64", "--eval_examples=512",
-                         "--data_options=num_examples=20000", "--export_dir=", *args],
-                        capture_output=True, text=True, timeout=timeout, env=env, cwd=_ROOT,
-                        check=False)
+  return script_process.run(["--stragglers=none", "--local_batch_size=64", "--eval_examples=512",
+                             "--data_options=num_examples=20000", "--export_dir=", *args],
+                            timeout=timeout)
 
 
 def _listed(model_dir):

@@ -6,20 +6,17 @@ the table the delta held, row by row. The refusals are at the end."""
 
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tf_keras as keras
 
+from tests import script_process
 from tests import shared_data
 from tf_gba.ops import hash_table_ops
 from tf_gba.training import delta_checkpoints
 from tf_gba.training import runner
 from tf_gba.training.config import TrainConfig
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _config(model_dir, **overrides):
@@ -96,10 +93,7 @@ def test_full_and_deltas_alternate_and_a_rerun_resumes_from_the_last_delta(tmp_p
 
 
 def _train_subprocess(*args):
-  return subprocess.run([sys.executable, os.path.join(_ROOT, "examples", "train.py"), *args],
-                        capture_output=True, text=True, timeout=120, cwd=_ROOT,
-                        env=dict(os.environ, PYTHONPATH=_ROOT + os.pathsep +
-                                 os.environ.get("PYTHONPATH", "")))
+  return script_process.run(list(args), timeout=120)
 
 
 @pytest.mark.parametrize("args,message", [

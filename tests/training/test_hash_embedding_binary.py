@@ -6,13 +6,13 @@ import gzip
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from absl import flags
 
+from tests import script_process
 from tests import shared_data
 from tests import train_binary
 from tf_gba import data as data_lib
@@ -20,7 +20,6 @@ from tf_gba import models as models_lib
 from tf_gba.ops import hash_table_ops
 from tf_gba.training import summary as summary_lib
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = flags.FLAGS
 DIM = 8           # --embedding_dim (DeepFM's rows are DIM + 1 wide)
 BATCH = 200       # the sample's 8,000 train rows are 40 batches: one pass is 40 worker steps
@@ -268,10 +267,7 @@ def test_criteo_fingerprint_ids_keep_every_value_apart_and_vocab_ids_unchanged()
 
 
 def _train_subprocess(*args):
-  return subprocess.run([sys.executable, os.path.join(_ROOT, "examples", "train.py"), *args],
-                        capture_output=True, text=True, timeout=120, cwd=_ROOT,
-                        env=dict(os.environ, PYTHONPATH=_ROOT + os.pathsep +
-                                 os.environ.get("PYTHONPATH", "")))
+  return script_process.run(list(args), timeout=120)
 
 
 def test_a_mode_that_cannot_host_the_table_is_refused_in_one_line(tmp_path):

@@ -3,16 +3,13 @@
 import dataclasses
 import importlib
 import os
-import subprocess
-import sys
 
 import pytest
 
+from tests import script_process
 from tests import train_binary
 from tf_gba.training import mode_registry
 from tf_gba.training.config import TrainConfig
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _reference_m(mode, n, local, global_batch=None, b2=None, b3=None):
@@ -110,10 +107,7 @@ def test_unused_flags():
     (["--mode=gba", "--dts_delay=2"], "--dts_delay"),
 ])
 def test_binary_refuses_a_flag_the_mode_does_not_use(tmp_path, args, flag):
-  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run([sys.executable, os.path.join(_ROOT, "examples", "train.py"), *args,
-                         f"--model_dir={tmp_path / 'm'}"], capture_output=True, text=True,
-                        env=env, timeout=120, check=False)
+  proc = script_process.run([*args, f"--model_dir={tmp_path / 'm'}"], timeout=120)
   assert proc.returncode == 2
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("train.py: error: ") and flag in lines[0]

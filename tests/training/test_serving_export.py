@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import numpy as np
+from tests import script_process
 import tensorflow as tf
 import tf_keras as keras
 
@@ -21,7 +22,6 @@ from tf_gba import models as models_lib
 from tf_gba.training import export as export_lib
 from tf_gba.training.config import TrainConfig
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _VOCAB = 64
 
 # Run outside the checkout, with `import tf_gba` made to fail (the virtualenv may have it
@@ -147,13 +147,10 @@ def _binary_export(tmp_path, *flags):
   an eval batch, those of the final checkpoint's parameters in the same model built here outside
   any strategy, that model)."""
   model_dir = tmp_path / "m"
-  env = dict(os.environ, PYTHONPATH=_ROOT)
-  proc = subprocess.run(
-      [sys.executable, os.path.join(_ROOT, "examples", "train.py"), "--mode=gba", "--num_ps=1",
-       "--num_workers=2", "--steps=8", "--log_every=4", "--local_batch_size=32",
-       "--eval_examples=256", "--stragglers=none", "--data_options=num_examples=4000",
-       f"--model_dir={model_dir}", *flags], capture_output=True, text=True, timeout=400, env=env,
-      cwd=_ROOT, check=False)
+  proc = script_process.run(
+      ["--mode=gba", "--num_ps=1", "--num_workers=2", "--steps=8", "--log_every=4",
+       "--local_batch_size=32", "--eval_examples=256", "--stragglers=none",
+       "--data_options=num_examples=4000", f"--model_dir={model_dir}", *flags], timeout=400)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   with open(model_dir / "summary.json") as f:
     summary = json.load(f)

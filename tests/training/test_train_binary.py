@@ -6,11 +6,10 @@ import os
 import pytest
 from absl import flags
 
+from tests import script_process
 from tests import shared_data
 from tests import train_binary
 from tf_gba.training import preflight
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 train = train_binary.load()
@@ -211,16 +210,11 @@ def test_a_barrier_modes_day_on_the_shared_list_ends_when_only_blocked_workers_h
   barrier for gradients only they could push: nothing can let it go. The day must end there
   (its step released, pushing nothing) rather than run no-op reads forever; in a subprocess,
   under a time limit, since the failure is a run that never ends."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
   model_dir = tmp_path / "model"
-  proc = subprocess.run(
-      [sys.executable, os.path.join(_ROOT, "examples", "train.py"), "--mode=hop_bw",
-       "--num_workers=3", "--local_batch_size=64", "--data_options=num_examples=3200",
-       "--stragglers=compute:50+persistent:4@0", "--log_every=10", "--eval_examples=512",
-       f"--model_dir={model_dir}"],
-      capture_output=True, text=True, timeout=240, cwd=_ROOT,
-      env=dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+  proc = script_process.run(
+      ["--mode=hop_bw", "--num_workers=3", "--local_batch_size=64",
+       "--data_options=num_examples=3200", "--stragglers=compute:50+persistent:4@0",
+       "--log_every=10", "--eval_examples=512", f"--model_dir={model_dir}"], timeout=240)
   assert proc.returncode == 0, proc.stderr[-3000:]
   with open(model_dir / "summary.json") as f:
     summary = json.load(f)

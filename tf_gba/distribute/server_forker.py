@@ -66,16 +66,19 @@ def _name_process(name: str) -> None:
     pass  # not Linux, or no /proc: the name is only a convenience
 
 
-def _redirect_stdio(log_path: Optional[str]) -> None:
-  """stdin from /dev/null; stderr appended to `log_path` (None: kept); stdout where stderr goes."""
+def _redirect_stdio(log_path: Optional[str], stdout_path: Optional[str] = None) -> None:
+  """stdin from /dev/null; stderr appended to `log_path` (None: kept); stdout appended to
+  `stdout_path`, or (None) where stderr goes."""
   null = os.open(os.devnull, os.O_RDONLY)
   os.dup2(null, 0)
   os.close(null)
-  if log_path:
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 2)
-    os.close(log)
-  os.dup2(2, 1)
+  for path, fd in ((log_path, 2), (stdout_path, 1)):
+    if path:
+      log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+      os.dup2(log, fd)
+      os.close(log)
+  if not stdout_path:
+    os.dup2(2, 1)
 
 
 def _run_child(request, protocol_fds) -> None:
@@ -90,7 +93,7 @@ def _run_child(request, protocol_fds) -> None:
       os.setsid()
     for fd in protocol_fds:
       os.close(fd)
-    _redirect_stdio(request["log"])
+    _redirect_stdio(request["log"], request.get("stdout"))
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -326,14 +329,16 @@ class Forker:
 
   def spawn(self, name: str, argv: List[str], log: str, env: Dict[str, str],
             new_session: bool = True, module: str = "tf_gba.distribute.server",
-            cwd: Optional[str] = None, run_atexit: bool = False) -> ForkedServer:
+            cwd: Optional[str] = None, run_atexit: bool = False,
+            stdout: Optional[str] = None) -> ForkedServer:
     """Forks a process running `<module>.main(argv)`, as `python -m <module> argv` would
     (`tf_gba.distribute.server`, or `tf_gba.distribute.collective_cluster` for its workers).
     `run_atexit`: the child runs its atexit handlers when main returns, as an interpreter does
-    at exit (by default it ends at once, as a server should)."""
+    at exit (by default it ends at once, as a server should). Its stderr is appended to `log`,
+    its stdout too unless `stdout` names a file of its own."""
     reply = self._ask({"op": "spawn", "name": name, "argv": argv, "log": log, "env": env,
                        "cwd": cwd or os.getcwd(), "new_session": new_session,
-                       "module": module, "run_atexit": run_atexit})
+                       "module": module, "run_atexit": run_atexit, "stdout": stdout})
     return ForkedServer(self, reply["pid"])
 
   def returncode(self, pid: int) -> Optional[int]:
@@ -371,6 +376,18 @@ _FORKERS: Dict[tuple, Forker] = {}
 _FORKERS_LOCK = threading.Lock()
 _KEY_LOCKS: Dict[tuple, threading.Lock] = {}  # one per environment: starting one forker (seconds)
                                               # does not hold up the clusters of another
+
+
+def _forget_forkers() -> None:
+  """In a forked child: the parent's forkers are not its own (their pipes are the parent's), and
+  a lock the parent held at the fork (`prefork` forks holding its environment's) stays held."""
+  global _FORKERS_LOCK
+  _FORKERS.clear()
+  _KEY_LOCKS.clear()
+  _FORKERS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_forkers)
 
 
 def _key(env: Dict[str, str]) -> tuple:
