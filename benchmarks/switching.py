@@ -111,12 +111,17 @@ INTERVALS = 4
 DIRECTIONS = ("from_sync", "to_sync")
 TITLES = {"from_sync": "sync -> mode (base trained with sync, then each mode; Table 6.4)",
           "to_sync": "mode -> sync (base trained in each mode, then sync; Table 6.8)"}
-# Runs in a fresh interpreter: each run starts (and tears down) its own cluster. Exiting without
-# interpreter teardown spares the log TF writes about remote handles it can no longer release.
+# Runs in a fresh interpreter: each run starts (and tears down) its own cluster. Its servers are
+# forks of a fork of it, made before it runs an op, as the binary's are (local_cluster.
+# prefork_forker: their forker need not import TensorFlow again). Exiting without interpreter
+# teardown spares the log TF writes about remote handles it can no longer release.
 _CHILD = ("import json, sys\n"
           "from tf_gba.common import exiting\n"
+          "from tf_gba.distribute import local_cluster\n"
           "from tf_gba.training import TrainConfig, run\n"
-          "run(TrainConfig(**json.loads(sys.argv[1])))\n"
+          "config = TrainConfig(**json.loads(sys.argv[1]))\n"
+          "local_cluster.prefork_forker()\n"
+          "run(config)\n"
           "exiting.exit_now(0)\n")
 
 
