@@ -449,12 +449,10 @@ def _start_job(env):
 
 
 def _tensorflow_imported_unused() -> bool:
-  if "tensorflow" not in sys.modules or os.environ.get("TF_GBA_FORK_SERVERS", "1") in (
-      "0", "false", "False", ""):
-    return False
-  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
-  ctx = context.context_safe()
-  return ctx is None or getattr(ctx, "_context_handle", None) is None
+  if "tensorflow" not in sys.modules:
+    return False  # (and the supervisor stays free of it)
+  from tf_gba.distribute import server_forker  # pylint: disable=g-import-not-at-top
+  return server_forker.enabled() and server_forker.imported_unused()
 
 
 class _ForkedJob:

@@ -64,6 +64,21 @@ def _criteo_rows(n):
     return [next(f).rstrip("\n") for _ in range(n)]
 
 
+def test_a_forked_run_says_what_a_new_interpreter_says(tmp_path):
+  """The tests' forked binary (tests/script_process.py) against `python examples/train.py` as a
+  user starts it: the same exit code, stdout and stderr, for a flag the job refuses (a
+  parameter-server mode: the supervisor starts the job, forked or as a new interpreter)."""
+  args = [*_SMALL, "--steps=0", f"--model_dir={tmp_path / 'm'}"]
+  forked = script_process.run(args)
+  new = subprocess.run([sys.executable, os.path.join(_ROOT, "examples", "train.py"), *args],
+                       capture_output=True, text=True, timeout=300, cwd=_ROOT, check=False,
+                       env=dict(os.environ, PYTHONPATH=_ROOT + os.pathsep +
+                                os.environ.get("PYTHONPATH", "")))
+  assert forked.returncode == new.returncode == 2, (forked, new)
+  assert (forked.stdout, forked.stderr) == (new.stdout, new.stderr)
+  assert new.stderr == "train.py: error: --steps must be >= 1, got 0.\n"
+
+
 @pytest.mark.parametrize("flags,expected", [
     (["--global_batch_size=-256"], "--global_batch_size must be >= 1"),
     (["--global_batch_size=0"], "--global_batch_size must be >= 1"),

@@ -423,6 +423,12 @@ def _has_tf_context() -> bool:
   return ctx is not None and getattr(ctx, "_context_handle", None) is not None
 
 
+def imported_unused() -> bool:
+  """Whether this process has imported TensorFlow and run none of it: a fork of it starts as a new
+  interpreter would, less the import (the binary's supervisor forks its job when this holds)."""
+  return "tensorflow" in sys.modules and not _has_tf_context()
+
+
 def prefork(env: Dict[str, str], log_dir: Optional[str] = None) -> bool:
   """Makes a fork of this process, now, its forker for servers with environment `env`.
 
