@@ -27,6 +27,7 @@ from tf_gba.distribute import modes as modes_lib
 from tf_gba.distribute import step_context
 from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.ops import gba_ops
+from tf_gba.ops import loader
 
 # The modes and what each means for the buffers: `tf_gba.distribute.modes`.
 MODES = modes_lib.MODES
@@ -110,6 +111,12 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     self._gba_stragglers = stragglers_lib.parse(stragglers)
     self._gba_straggler_seed = int(straggler_seed)
     self._gba_straggler_delay = stragglers_lib.check_placement(straggler_delay)
+    # The op libraries now, before the cluster connects and the coordinator's threads run ops.
+    # Loaded on first use, mid-run, a library's kernels register while its ops wait for the end
+    # of the load; an op lookup on another thread in that moment checks every kernel against the
+    # ops registered so far and warns once per kernel of "OpKernel ... for unknown op" (18 lines
+    # in a user's script once).
+    loader.load_all()
     super().__init__(cluster_resolver, variable_partitioner)
     self._gba_mode = mode
     self._gba_num_workers = num_workers
