@@ -85,7 +85,8 @@ def test_sigterm_checkpoints_and_the_rerun_resumes_from_it(tmp_path, mode):
   assert summary["start_global_step"] == global_step
   assert summary["target_global_step"] == reference["global_step"] == _STEPS // m
   assert summary["global_step"] == reference["global_step"]
-  assert summary["restarts"] == 1 and summary["restart_causes"] == []
+  assert summary["restarts"] == 1 and summary["restart_causes"] == [], (
+      summary["restarts"], summary["restart_causes"], "".join(rerun.err)[-3000:])
   # Resumed from the signal's checkpoint, recorded as the run's progress: nothing redone.
   assert summary["steps_redone"] == 0
   assert summary["batches_reread"] == 0
