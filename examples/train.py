@@ -423,13 +423,14 @@ def _start_job(env):
   command, or, in a supervisor that has imported TensorFlow without running it (a fork of a
   process that had: tests/script_process.py), a fork of this process, which need not import it
   again (as tf_gba.distribute.server_forker forks servers)."""
-  if not _tensorflow_imported_unused():
+  forking = _job_forking()
+  if forking is None:
     return subprocess.Popen([sys.executable] + sys.argv, env=env, process_group=0)
   for stream in (sys.stdout, sys.stderr):  # or the fork writes what is buffered a second time
     stream.flush()
   pid = os.fork()
   if pid:
-    return _ForkedJob(pid)
+    return forking.ForkedChild(pid)
   code = 1
   try:
     os.setpgid(0, 0)
@@ -448,36 +449,12 @@ def _start_job(env):
     exiting.exit_now(code)
 
 
-def _tensorflow_imported_unused() -> bool:
+def _job_forking():
+  """tf_gba.distribute.server_forker when this supervisor may fork its job, else None."""
   if "tensorflow" not in sys.modules:
-    return False  # (and the supervisor stays free of it)
+    return None  # (and the supervisor stays free of it)
   from tf_gba.distribute import server_forker  # pylint: disable=g-import-not-at-top
-  return server_forker.enabled() and server_forker.imported_unused()
-
-
-class _ForkedJob:
-  """What the supervisor uses of a `subprocess.Popen`, for a job forked from it."""
-
-  def __init__(self, pid: int):
-    self.pid, self.returncode = pid, None
-
-  def _reap(self, flags: int) -> None:
-    if self.returncode is None:
-      pid, status = os.waitpid(self.pid, flags)
-      if pid:
-        self.returncode = os.waitstatus_to_exitcode(status)
-
-  def poll(self):
-    self._reap(os.WNOHANG)
-    return self.returncode
-
-  def wait(self) -> int:
-    self._reap(0)
-    return self.returncode
-
-  def send_signal(self, signum: int) -> None:
-    if self.returncode is None:
-      os.kill(self.pid, signum)
+  return server_forker if server_forker.enabled() and server_forker.imported_unused() else None
 
 
 def _watch_supervisor(pid: int) -> None:

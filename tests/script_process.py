@@ -81,7 +81,9 @@ def run(args: Sequence[str], *, script: str = TRAIN, env: Optional[Dict[str, str
 
 def _kill_session(pid: int) -> None:
   try:
-    os.killpg(pid, signal.SIGKILL)  # its session: the script and what it started there
+    # Its process group, which its session started: the script and what stayed in the group
+    # (the binary's job has a group of its own and follows its supervisor).
+    os.killpg(pid, signal.SIGKILL)
   except ProcessLookupError:
     pass
 
@@ -95,9 +97,12 @@ class Started:
     # The child opens its stderr, then its stdout, for writing; a FIFO's open waits for its
     # reader, so both are opened here at once.
     opened = {}
-    threads = [threading.Thread(target=lambda k=k, p=p: opened.__setitem__(k, open(
-        p, encoding="utf-8", errors="replace")), daemon=True) for k, p in
-               (("stdout", stdout), ("stderr", stderr))]
+
+    def open_for_reading(name, path):
+      opened[name] = open(path, encoding="utf-8", errors="replace")
+
+    threads = [threading.Thread(target=open_for_reading, args=item, daemon=True)
+               for item in (("stdout", stdout), ("stderr", stderr))]
     for t in threads:
       t.start()
     for t in threads:

@@ -252,13 +252,12 @@ class ForkedServer:
     return self.returncode
 
 
-class _ForkedProcess:
-  """A forker forked from this process (`prefork`): what Forker uses of a `subprocess.Popen`."""
+class ForkedChild:
+  """A child forked from this process: what its parent uses of a `subprocess.Popen` (pid,
+  returncode, poll, wait, send_signal, kill)."""
 
-  def __init__(self, pid: int, stdin_fd: int, stdout_fd: int):
+  def __init__(self, pid: int):
     self.pid, self.returncode = pid, None
-    self.stdin = os.fdopen(stdin_fd, "wb")
-    self.stdout = os.fdopen(stdout_fd, "rb")
 
   def poll(self) -> Optional[int]:
     if self.returncode is None:
@@ -275,11 +274,24 @@ class _ForkedProcess:
       time.sleep(0.02)
     return self.returncode
 
+  def send_signal(self, signum: int) -> None:
+    if self.poll() is None:
+      os.kill(self.pid, signum)
+
   def kill(self) -> None:
     try:
       os.kill(self.pid, signal.SIGKILL)
     except ProcessLookupError:
       pass
+
+
+class _ForkedProcess(ForkedChild):
+  """A forker forked from this process (`prefork`): what Forker uses of a `subprocess.Popen`."""
+
+  def __init__(self, pid: int, stdin_fd: int, stdout_fd: int):
+    super().__init__(pid)
+    self.stdin = os.fdopen(stdin_fd, "wb")
+    self.stdout = os.fdopen(stdout_fd, "rb")
 
 
 class Forker:
