@@ -173,6 +173,11 @@ with LocalCluster(num_ps=1, num_workers=1) as c:
   with strategy.scope():
     v = tf.Variable(2.0)
   print("VALUE", float(v.assign_add(1.5).numpy()), flush=True)
+# The strategy set the eager client's streaming switch in this process's environment; the next
+# cluster's servers still come from the same forker.
+print("STREAMING", os.environ.get("TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"), flush=True)
+with LocalCluster(num_ps=1, num_workers=1) as c:
+  print("AGAIN", [parent(p) == forker for p in c.pids], len(server_forker._FORKERS), flush=True)
 # This process has run TensorFlow now: a fork of it would be no clean forker.
 server_forker._FORKERS.clear()
 print("AFTER_OPS", local_cluster.prefork_forker(), flush=True)
@@ -183,8 +188,8 @@ def test_a_preforked_forker_is_a_fork_of_the_process_and_serves_its_clusters(tmp
   """local_cluster.prefork_forker (the training binary's job calls it after importing
   TensorFlow): the forker is a fork of this process holding only its protocol pipes besides
   stdin, stdout and stderr (not the caller's files: a server holding the caller's stdout pipe
-  would keep its reader waiting), the LocalCluster's servers are its children and work; a second
-  call, one for another import-time environment, or one after TensorFlow ran an op here forks
+  would keep its reader waiting), the LocalCluster's servers are its children and work, and so
+  are those of a cluster started after a ParameterServerStrategy connected; a second call, one for another import-time environment, or one after TensorFlow ran an op here forks
   nothing."""
   proc = subprocess.run([sys.executable, "-c", _PREFORKED, str(tmp_path)], cwd=_ROOT,
                         capture_output=True, text=True, timeout=300,
@@ -196,6 +201,8 @@ def test_a_preforked_forker_is_a_fork_of_the_process_and_serves_its_clusters(tmp
   assert lines["FORKER"] == "True 5 [0, 1, 2]"
   assert lines["SERVERS"] == "[True, True]"
   assert lines["VALUE"] == "3.5"
+  assert lines["STREAMING"] == "False"
+  assert lines["AGAIN"] == "[True, True] 1"
   assert lines["AFTER_OPS"] == "False"
   assert (tmp_path / "server_forker.log").exists()
 

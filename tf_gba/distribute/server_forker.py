@@ -46,10 +46,14 @@ from typing import Dict, List, Optional
 ENV_SWITCH = "TF_GBA_FORK_SERVERS"
 # What TensorFlow and Python read while the forker imports them; a cluster whose environment
 # differs in these needs a forker of its own. Not PYTHONPATH: a child puts its entries in front
-# of sys.path itself (_run_child).
+# of sys.path itself (_run_child). Not the eager client's streaming switch, which
+# ParameterServerStrategy sets in its process's environment when it connects: TensorFlow reads it
+# on a process's first remote call, after the fork, from the environment the child is given; were
+# it a key, every cluster a process started after its first strategy would cost a forker of its
+# own (a new interpreter importing TensorFlow, about 6 CPU-seconds).
 _IMPORT_TIME_PREFIXES = ("TF_CPP_", "TF_ENABLE_", "TF_USE_LEGACY_KERAS", "OMP_", "MKL_", "KMP_",
                          "PYTHON", "LD_")
-_NOT_IMPORT_TIME = ("PYTHONPATH",)
+_NOT_IMPORT_TIME = ("PYTHONPATH", "TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE")
 
 
 def enabled() -> bool:
