@@ -74,6 +74,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -84,6 +85,7 @@ import numpy as np
 # The straggler profiles by name, shared with the QPS benchmark ("dedicated": the transient
 # profile on a 100 ms compute floor per step).
 from benchmarks.mode_qps import PROFILES  # pylint: disable=g-bad-import-order
+from tf_gba.distribute import server_forker  # pylint: disable=g-bad-import-order
 from tf_gba.training import mode_registry  # pylint: disable=g-bad-import-order
 
 # Before TensorFlow loads (make_protocol reads the data here): no GPU probing, no INFO lines.
@@ -111,18 +113,6 @@ INTERVALS = 4
 DIRECTIONS = ("from_sync", "to_sync")
 TITLES = {"from_sync": "sync -> mode (base trained with sync, then each mode; Table 6.4)",
           "to_sync": "mode -> sync (base trained in each mode, then sync; Table 6.8)"}
-# Runs in a fresh interpreter: each run starts (and tears down) its own cluster. Its servers are
-# forks of a fork of it, made before it runs an op, as the binary's are (local_cluster.
-# prefork_forker: their forker need not import TensorFlow again). Exiting without interpreter
-# teardown spares the log TF writes about remote handles it can no longer release.
-_CHILD = ("import json, sys\n"
-          "from tf_gba.common import exiting\n"
-          "from tf_gba.distribute import local_cluster\n"
-          "from tf_gba.training import TrainConfig, run\n"
-          "config = TrainConfig(**json.loads(sys.argv[1]))\n"
-          "local_cluster.prefork_forker()\n"
-          "run(config)\n"
-          "exiting.exit_now(0)\n")
 
 
 @dataclasses.dataclass
@@ -368,20 +358,26 @@ def _error_tail(log: str, limit: int = 4000) -> Tuple[str, str]:
 
 
 def run_one(config: dict, log_path: str, timeout_s: float) -> dict:
-  """Runs one TrainConfig in a fresh process; returns its summary.
+  """Runs one TrainConfig in a process of its own (benchmarks/run_config.py); returns its summary.
 
   Raises:
     RunFailed: the run exited with an error or timed out; the message holds the traceback.
   """
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-  with open(log_path, "w") as log:
+  env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+  env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  # A fork of this process's server forker (benchmarks/run_config.py), which has imported
+  # TensorFlow once for every run of the invocation; a process of its own with forking off.
+  proc = server_forker.launch("run_config", "benchmarks.run_config", [json.dumps(config)],
+                              log_path, env, cwd=ROOT, append=False)
+  try:
+    code = proc.wait(timeout_s)
+  except subprocess.TimeoutExpired:
     try:
-      proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(config)], cwd=ROOT,
-                            env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                            check=False)
-      code = proc.returncode
-    except subprocess.TimeoutExpired:
-      code = "timeout"
+      os.killpg(proc.pid, signal.SIGKILL)  # its own session: the run and the servers it forked
+    except ProcessLookupError:
+      pass
+    proc.wait()
+    code = "timeout"
   summary_path = os.path.join(config["model_dir"], "summary.json")
   if code != 0 or not os.path.exists(summary_path):
     with open(log_path, errors="replace") as f:
