@@ -31,11 +31,13 @@ _TIME_LIMIT_S = 420
 
 
 def _command(mode, model_dir):
+  # No serving export: what a drill checks is the training state a resumption restores (the
+  # export of a run is tests/training/test_serving_export.py's).
   return [sys.executable, os.path.join(_ROOT, "examples", "train.py"), f"--mode={mode}",
           "--num_ps=1", "--num_workers=2", f"--steps={_STEPS}", "--log_every=20",
           f"--checkpoint_every_steps={_CHECKPOINT_EVERY}", "--local_batch_size=64",
           "--eval_examples=4096", "--stragglers=none", "--data_options=num_examples=20000",
-          f"--model_dir={model_dir}"]
+          "--export_dir=", f"--model_dir={model_dir}"]
 
 
 def _env(model_dir):

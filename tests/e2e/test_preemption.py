@@ -22,6 +22,7 @@ import pytest
 from tests.e2e.test_fault_drills import _Run
 from tests.e2e.test_fault_drills import _check_auc
 from tests.e2e.test_fault_drills import _summary
+from tests.e2e.test_fault_drills import _undisturbed
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _STEPS = 400  # worker steps
@@ -45,13 +46,21 @@ def _run(mode, model_dir):
   return _Run(mode, model_dir, command=_command(mode, model_dir))
 
 
-@pytest.mark.parametrize("mode", ["gba", "sync"])
-def test_sigterm_checkpoints_and_the_rerun_resumes_from_it(tmp_path, mode):
+def _reference(mode, tmp_path, tmp_path_factory):
+  """The summary of an undisturbed run of `mode`. GBA's is the fault drills' own (the same
+  command, and periodic checkpoints, which change nothing trained): one run for both modules."""
+  if mode == "gba":
+    return _undisturbed(mode, tmp_path_factory)
   reference_dir = str(tmp_path / "undisturbed")
   reference_run = _run(mode, reference_dir)
   assert reference_run.finish(time.time() + _TIME_LIMIT_S) == 0, (
       "".join(reference_run.err)[-3000:])
-  reference = _summary(reference_dir)
+  return _summary(reference_dir)
+
+
+@pytest.mark.parametrize("mode", ["gba", "sync"])
+def test_sigterm_checkpoints_and_the_rerun_resumes_from_it(tmp_path, tmp_path_factory, mode):
+  reference = _reference(mode, tmp_path, tmp_path_factory)
 
   model_dir = str(tmp_path / "m")
   # Worker steps of the progress line after which the signal comes (sync's lines are every
@@ -101,11 +110,7 @@ def test_sigterm_stops_dts_workers_together_and_the_rerun_resumes(tmp_path):
   """DTS's workers cannot vote on stopping (their exchanges own the collectives): at SIGTERM the
   launcher names a step a few past every worker's report (tf_gba.training.dts_job.StopAgreement),
   where all of them synchronize and write their checkpoints; the rerun resumes there."""
-  reference_dir = str(tmp_path / "undisturbed")
-  reference_run = _run("dts", reference_dir)
-  assert reference_run.finish(time.time() + _TIME_LIMIT_S) == 0, (
-      "".join(reference_run.err)[-3000:])
-  reference = _summary(reference_dir)
+  reference = _reference("dts", tmp_path, None)
   per_worker = _STEPS // 2
 
   model_dir = str(tmp_path / "m")
