@@ -113,11 +113,11 @@ def test_auto_measures_step_times_without_a_profile(tmp_path):
   assert summary["num_switches"] == 0 and summary["stragglers"] == "none"
   (stay,) = summary["stays"]
   assert stay["mode"] == "sync" and stay["skipped_observations"] == 0
-  # 48 global steps logged every 4: 12 intervals, the first not an observation, nor the last
+  # 48 global steps logged every 8: 6 intervals, the first not an observation, nor the last
   # (the run's end).
-  assert stay["observations"] == 10
+  assert stay["observations"] == 4
   times = np.array(stay["step_seconds"])
-  assert times.shape == (10, 2) and np.all(times > 0)
+  assert times.shape == (4, 2) and np.all(times > 0)
   # The efficiency is the measured QPS over the model's, N x B / slowest step.
   assert 0 < stay["efficiency"] == pytest.approx(summary["efficiency"]["sync"])
   assert summary["steps"] == 96 and 0.5 < summary["eval_auc"] <= 1.0
@@ -148,9 +148,9 @@ def test_binary_without_a_profile_measures_both_modes_and_the_switch(tmp_path):
     times = np.array(stay["step_seconds"])
     assert times.shape == (stay["observations"], 2) and np.all(times > 0)
     assert stay["efficiency"] > 0
-  # Sync's 2 x 32 every 8 global steps: its first observation, at worker step 32, switches.
+  # Sync's 2 x 32 every 16 global steps: its first observation, at worker step 64, switches.
   first = summary["switches"][0]
-  assert (first["from"], first["to"], first["at_step"]) == ("sync", "gba", 32)
+  assert (first["from"], first["to"], first["at_step"]) == ("sync", "gba", 64)
   assert first["other_efficiency"] == 10.0 and first["expected_switch_cost_s"] == 30.0
   # Its cost, from the decision to the end of GBA's first interval, and where it went.
   assert first["cost_s"] > 0
