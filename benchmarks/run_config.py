@@ -5,8 +5,8 @@ process, made before it runs an op, as the binary's are (local_cluster.prefork_f
 forker need not import TensorFlow again). It ends without interpreter teardown, which spares the
 log what TensorFlow writes about remote handles it can no longer release.
 
-The benchmarks start it through `tf_gba.distribute.server_forker.launch`: forked from a process
-that has imported TensorFlow already, a run does not import it again.
+benchmarks.switching starts it through `tf_gba.distribute.server_forker.launch`: forked from a
+process that has imported TensorFlow already, a run does not import it again.
 """
 
 import json
