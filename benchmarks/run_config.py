@@ -1,4 +1,4 @@
-"""One benchmark run in a process of its own: `python -m benchmarks.run_config '<TrainConfig JSON>'`.
+"""One benchmark run, in its own process: `python -m benchmarks.run_config <TrainConfig JSON>`.
 
 Each run starts (and tears down) its own local cluster. Its servers are forks of a fork of this
 process, made before it runs an op, as the binary's are (local_cluster.prefork_forker: their
