@@ -17,13 +17,12 @@ from tf_gba.distribute import local_cluster
 from tf_gba.training import TrainConfig, run
 
 
-def main(argv) -> int:
+def main(argv) -> None:
   config = TrainConfig(**json.loads(argv[0]))
   local_cluster.prefork_forker()
   run(config)
   exiting.exit_now(0)
-  return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  main(sys.argv[1:])

@@ -189,8 +189,8 @@ def test_a_preforked_forker_is_a_fork_of_the_process_and_serves_its_clusters(tmp
   TensorFlow): the forker is a fork of this process holding only its protocol pipes besides
   stdin, stdout and stderr (not the caller's files: a server holding the caller's stdout pipe
   would keep its reader waiting), the LocalCluster's servers are its children and work, and so
-  are those of a cluster started after a ParameterServerStrategy connected; a second call, one for another import-time environment, or one after TensorFlow ran an op here forks
-  nothing."""
+  are those of a cluster started after a ParameterServerStrategy connected; a second call, one
+  for another import-time environment, or one after TensorFlow ran an op here forks nothing."""
   proc = subprocess.run([sys.executable, "-c", _PREFORKED, str(tmp_path)], cwd=_ROOT,
                         capture_output=True, text=True, timeout=300,
                         env=dict(os.environ, TF_GBA_FORK_SERVERS="1", PYTHONPATH=_ROOT))

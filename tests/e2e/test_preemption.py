@@ -21,6 +21,7 @@ import pytest
 
 from tests.e2e.test_fault_drills import _Run
 from tests.e2e.test_fault_drills import _check_auc
+from tests.e2e.test_fault_drills import _command as _drill_command
 from tests.e2e.test_fault_drills import _summary
 from tests.e2e.test_fault_drills import _undisturbed
 
@@ -50,6 +51,10 @@ def _reference(mode, tmp_path, tmp_path_factory):
   """The summary of an undisturbed run of `mode`. GBA's is the fault drills' own (the same
   command, and periodic checkpoints, which change nothing trained): one run for both modules."""
   if mode == "gba":
+    ours = [a for a in _command(mode, "") if not a.startswith("--model_dir=")]
+    drills = [a for a in _drill_command(mode, "")
+              if not a.startswith(("--model_dir=", "--checkpoint_every_steps="))]
+    assert sorted(ours) == sorted(drills), (ours, drills)
     return _undisturbed(mode, tmp_path_factory)
   reference_dir = str(tmp_path / "undisturbed")
   reference_run = _run(mode, reference_dir)
