@@ -202,7 +202,7 @@ def define_flags() -> None:
                      "QPS (batch x sum of the workers' step rates) assumed before its first stay.")
   flags.DEFINE_bool("auto_learn_efficiency", True, "--mode=auto: replace a mode's efficiency by "
                     "the one measured in its last stay (off: the flags' values hold throughout).")
-  flags.DEFINE_float("auto_switch_cost_s", 30.0, "--mode=auto: seconds a switch costs, assumed "
+  flags.DEFINE_float("auto_switch_cost_s", 15.0, "--mode=auto: seconds a switch costs, assumed "
                      "until one is measured (then the mean of the last two measured).")
   flags.DEFINE_float("auto_horizon_s", 60.0, "--mode=auto: a switch is taken when the time it "
                      "saves over this many seconds (at least --auto_dwell_s) exceeds its cost.")

@@ -70,7 +70,7 @@ class PolicyConfig:
   sync_efficiency: float = 1.0
   gba_efficiency: float = 1.0
   learn_efficiency: bool = True
-  switch_cost_s: float = 30.0  # a switch's cost until the job has measured one
+  switch_cost_s: float = 15.0  # a switch's cost until the job has measured one
   horizon_s: float = 60.0      # the stay over which a switch must pay (at least dwell_s)
   # Training seconds of a probe stay in each mode at the start (0: none): the first stay moves
   # to the other mode after this long and one observation, whatever the gain; that mode's first

@@ -132,7 +132,7 @@ class TrainConfig:
   auto_sync_efficiency: float = 1.0
   auto_gba_efficiency: float = 1.0
   auto_learn_efficiency: bool = True
-  auto_switch_cost_s: float = 30.0
+  auto_switch_cost_s: float = 15.0
   auto_horizon_s: float = 60.0
   # Seconds of a probe stay in each mode at the start (0: none): both modes' efficiencies are
   # measured before the first decision on them.
