@@ -151,7 +151,8 @@ def test_binary_without_a_profile_measures_both_modes_and_the_switch(tmp_path):
   # Sync's 2 x 32 every 16 global steps: its first observation, at worker step 64, switches.
   first = summary["switches"][0]
   assert (first["from"], first["to"], first["at_step"]) == ("sync", "gba", 64)
-  assert first["other_efficiency"] == 10.0 and first["expected_switch_cost_s"] == 30.0
+  # Before any switch was measured: the binary's default first estimate.
+  assert first["other_efficiency"] == 10.0 and first["expected_switch_cost_s"] == 15.0
   # Its cost, from the decision to the end of GBA's first interval, and where it went.
   assert first["cost_s"] > 0
   breakdown, events = first["cost_breakdown_s"], first["cost_events_s"]
