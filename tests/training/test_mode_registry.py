@@ -155,3 +155,17 @@ def test_mode_checks_of_a_mode_live_with_its_entry():
   cfg = dataclasses.replace(TrainConfig(mode="dts", steps=5), dts_inner="adam")
   with pytest.raises(ValueError, match="--dts_inner must be 'sgd' or 'momentum'"):
     cfg.validate()
+
+
+def test_auto_policy_defaults_are_the_same_in_the_binary_the_config_and_the_policy():
+  # Each --auto_* default is written three times (the flag, TrainConfig, PolicyConfig); a user of
+  # the binary, of `train(TrainConfig(...))` and of the policy alone must get the same policy.
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from tf_gba.training import auto_job, auto_policy  # pylint: disable=g-import-not-at-top
+  _binary_flags()
+  config = TrainConfig()
+  auto_fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name.startswith("auto_")]
+  assert "auto_switch_cost_s" in auto_fields
+  for name in auto_fields:
+    assert flags.FLAGS[name].default == getattr(config, name), name
+  assert auto_job.policy_config(config) == auto_policy.PolicyConfig()
