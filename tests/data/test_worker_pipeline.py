@@ -1,10 +1,11 @@
-"""The pipelines parameter-server workers iterate run without tf.data's autotuning thread.
+"""The pipelines training workers iterate run without tf.data's autotuning thread.
 
 Deleting an iterator waits for that thread's sleep (up to 60 s); where `fit` returns, the
-workers' iterators are deleted and each holds its worker's eager service until then
-(`pipeline.on_a_worker`), and so do the per-device iterators tf.distribute builds on top while
-`fit` runs (`pipeline.device_iterators_on_a_worker`). Checked on the option the deletion depends
-on and on the data: the rows are the same as without it.
+parameter-server workers' iterators are deleted and each holds its worker's eager service until
+then (`pipeline.on_a_worker`), and so do the per-device iterators tf.distribute builds on top
+while `fit` runs (`pipeline.device_iterators_on_a_worker`); a Sync worker deletes its iterator as
+it returns, and the job ends with its last worker. Checked on the option the deletion depends on
+and on the data: the rows are the same as without it.
 """
 
 import numpy as np
@@ -16,6 +17,8 @@ from tensorflow.python.data.ops import multi_device_iterator_ops  # pylint: disa
 from tf_gba.data import data_list
 from tf_gba.data import pipeline
 from tf_gba.data.info import DataInfo
+from tf_gba.training import sync_job
+from tf_gba.training.config import TrainConfig
 
 
 def _rows(ds):
@@ -77,3 +80,23 @@ def test_the_shared_list_reader_has_no_autotuning_and_reads_every_batch_once():
   np.testing.assert_array_equal(np.sort(np.concatenate([r for r, _ in read])), np.arange(rows))
   assert sorted(b for _, b in read) == list(range(dl.num_batches))
   del service_worker
+
+
+def test_a_sync_workers_iterator_and_its_device_iterators_have_no_autotuning():
+  # One worker of MultiWorkerMirroredStrategy (no TF_CONFIG): the same iterator classes as on a
+  # cluster's worker (tf.distribute's per-worker iterator over a MultiDeviceIterator).
+  strategy = tf.distribute.MultiWorkerMirroredStrategy()
+  cfg = TrainConfig(mode="sync", data="synthetic", data_options="num_examples=64",
+                    local_batch_size=8)
+  iterator = sync_job.train_iterator(strategy, cfg, cfg.data_kwargs())
+  features, labels = next(iterator)
+  info = sync_job.data_lib.data_info(cfg.data, **cfg.data_kwargs())
+  assert labels.shape == (8,)
+  assert set(features) == set(info.categorical) | set(info.numeric)
+  worker_iterators = iterator._iterators  # pylint: disable=protected-access
+  assert len(worker_iterators) == 1
+  assert worker_iterators[0]._dataset.options().autotune.enabled is False  # pylint: disable=protected-access
+  multi_device = worker_iterators[0]._iterator  # pylint: disable=protected-access
+  assert isinstance(multi_device, multi_device_iterator_ops.OwnedMultiDeviceIterator)
+  assert [it._dataset.options().autotune.enabled  # pylint: disable=protected-access
+          for it in multi_device._device_iterators] == [False]  # pylint: disable=protected-access

@@ -23,6 +23,7 @@ import tf_keras as keras
 
 from tf_gba import data as data_lib
 from tf_gba import models as models_lib
+from tf_gba.data import pipeline as data_pipeline
 from tf_gba.common import interrupt
 from tf_gba.common import metrics
 from tf_gba.distribute import collective_cluster
@@ -193,7 +194,8 @@ def train_dts(model_fn: Callable[[], keras.Model],
     if manager.latest_checkpoint:
       checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
 
-  iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+  # Deleted as this returns: without tf.data's autotuning thread, which that deletion waits for.
+  iterator = data_pipeline.distributed_iterator_on_a_worker(strategy, dataset_fn)
   losses: List[float] = []
   warmup = delay + period - 1
   with DTSTrainer(strategy, optimizer, model.trainable_variables, replica_loss,

@@ -34,6 +34,7 @@ import tf_keras as keras
 
 from tf_gba import data as data_lib
 from tf_gba import models as models_lib
+from tf_gba.data import pipeline as data_pipeline
 from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.common import autograph
 from tf_gba.common import interrupt
@@ -150,6 +151,24 @@ def build_and_restore(cfg: TrainConfig, strategy, info=None):
   return model, optimizer, latest
 
 
+def train_iterator(strategy, cfg: TrainConfig, data_kwargs: dict):
+  """This worker's iterator of its shard of the training data, repeating: with a finite dataset
+  every next() on the distributed iterator would be a cross-worker collective (agreeing on the
+  last partial batch).
+
+  Without tf.data's autotuning thread (`data_pipeline.distributed_iterator_on_a_worker`):
+  deleting the iterator, as `run_worker` returns, waited until that thread woke, and the job's end
+  for its last worker.
+  """
+  def dataset_fn(ctx):
+    return data_lib.make_dataset(
+        cfg.data, split="train", batch_size=cfg.local_batch_size,
+        num_shards=ctx.num_input_pipelines, shard_index=ctx.input_pipeline_id, day=cfg.day,
+        repeat=True, shuffle_seed=cfg.seed, strict=cfg.strict_data, **data_kwargs)
+
+  return data_pipeline.distributed_iterator_on_a_worker(strategy, dataset_fn)
+
+
 def run_worker(config: dict, auto: dict = None, stop_file: str = None,
                tables_dir: str = None) -> dict:
   """Trains on this worker (one process of a MultiWorkerMirroredStrategy cluster).
@@ -216,19 +235,11 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None,
   total = max(1, cfg.steps // num_workers)
   resume = None
 
-  def dataset_fn(ctx):
-    # Repeating: with a finite dataset every next() on the distributed iterator would be a
-    # cross-worker collective (agreeing on the last partial batch).
-    return data_lib.make_dataset(
-        cfg.data, split="train", batch_size=cfg.local_batch_size,
-        num_shards=ctx.num_input_pipelines, shard_index=ctx.input_pipeline_id, day=cfg.day,
-        repeat=True, shuffle_seed=cfg.seed, strict=cfg.strict_data, **options)
-
   # A loop of its own rather than model.fit (which the parameter-server modes use): the straggler
   # delay must stretch this worker's compute and come before the all-reduce (see replica_step),
   # while Keras's train_step computes and applies the gradients, all-reduce included, in one call
   # with no place between the two.
-  iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+  iterator = train_iterator(strategy, cfg, options)
   variables = model.trainable_variables
   # Per example, averaged here: the same mean binary cross-entropy as the other modes' compiled
   # loss (Keras refuses its default reduction inside a distribution strategy).
