@@ -3,9 +3,10 @@
 Deleting an iterator waits for that thread's sleep (up to 60 s); where `fit` returns, the
 parameter-server workers' iterators are deleted and each holds its worker's eager service until
 then (`pipeline.on_a_worker`), and so do the per-device iterators tf.distribute builds on top
-while `fit` runs (`pipeline.device_iterators_on_a_worker`); a Sync worker deletes its iterator as
-it returns, and the job ends with its last worker. Checked on the option the deletion depends on
-and on the data: the rows are the same as without it.
+while `fit` runs (`pipeline.device_iterators_on_a_worker`); a Sync or DTS worker deletes its
+iterator as it returns, and the job ends with its last worker
+(`pipeline.distributed_iterator_on_a_worker`). Checked on the option the deletion depends on and
+on the data: the rows are the same as without it.
 """
 
 import numpy as np
