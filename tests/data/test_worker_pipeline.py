@@ -15,6 +15,7 @@ import tf_gba  # noqa: F401  (sets up Keras 2 before TensorFlow is imported)
 import tensorflow as tf
 from tensorflow.python.data.ops import multi_device_iterator_ops  # pylint: disable=g-direct-tensorflow-import
 
+from tf_gba import data as data_lib
 from tf_gba.data import data_list
 from tf_gba.data import pipeline
 from tf_gba.data.info import DataInfo
@@ -91,7 +92,7 @@ def test_a_sync_workers_iterator_and_its_device_iterators_have_no_autotuning():
                     local_batch_size=8)
   iterator = sync_job.train_iterator(strategy, cfg, cfg.data_kwargs())
   features, labels = next(iterator)
-  info = sync_job.data_lib.data_info(cfg.data, **cfg.data_kwargs())
+  info = data_lib.data_info(cfg.data, **cfg.data_kwargs())
   assert labels.shape == (8,)
   assert set(features) == set(info.categorical) | set(info.numeric)
   worker_iterators = iterator._iterators  # pylint: disable=protected-access

@@ -157,8 +157,8 @@ def train_iterator(strategy, cfg: TrainConfig, data_kwargs: dict):
   last partial batch).
 
   Without tf.data's autotuning thread (`data_pipeline.distributed_iterator_on_a_worker`):
-  deleting the iterator, as `run_worker` returns, waited until that thread woke, and the job's end
-  for its last worker.
+  deleting the iterator, as `run_worker` returns, would wait until that thread wakes, and the
+  job's end would wait for its last worker.
   """
   def dataset_fn(ctx):
     return data_lib.make_dataset(
