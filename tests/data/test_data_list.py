@@ -120,10 +120,15 @@ def test_a_fixed_step_count_trains_a_batch_in_every_step(tmp_path):
     shared = shared_input.SharedInput(cfg, strategy, cluster.tfdata_dispatcher, {},
                                       rows=_rows(rows))
     shared.install_train_function(model)
+    assert "/job:ps/" in model._steps_per_execution.device  # pylint: disable=protected-access
     runner.fit_shared(model, optimizer, shared, steps // cfg.log_every)
     hits = model.hits.numpy()
     report = shared.report()
     global_step = int(optimizer.iterations.numpy())
+    # Keras' per-step read of its steps-per-execution counter stays in this process (no round
+    # trip to a parameter server per step), with its value.
+    spe = model._steps_per_execution  # pylint: disable=protected-access
+    assert "/job:ps/" not in spe.device and int(spe.numpy()) == 1, spe.device
 
   # What the model itself counted: `steps` whole batches of rows.
   assert hits.sum() == steps * BATCH, (hits.sum(), report)

@@ -705,6 +705,7 @@ def _fit(model, strategy, data, epochs: int, steps_per_epoch: int, callbacks=(),
   step it scheduled has finished. `job`: the run's `_Job`, whose checkpoints wait for the steps
   running (`_Job.save_checkpoint`)."""
   coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+  _steps_per_execution_on_the_coordinator(model)
   with pipelining.Pipeline(model, coordinator, spare=strategy.num_workers) as pipeline:
     if job is not None:
       job.pipeline = pipeline
@@ -717,6 +718,21 @@ def _fit(model, strategy, data, epochs: int, steps_per_epoch: int, callbacks=(),
       if job is not None:
         job.pipeline = None
   return history
+
+
+def _steps_per_execution_on_the_coordinator(model) -> None:
+  """Moves the model's steps-per-execution counter from a parameter server to this process.
+
+  Keras reads it once per step in `fit`'s loop (DataHandler.steps); `compile` creates it under
+  the strategy's scope, so it lives on a parameter server and every step paid a round trip to
+  it: about half of the coordinator's CPU time in `fit` (py-spy, a 2-worker GBA run), and a read
+  the server had to serve. Keras does not track it (it is in no checkpoint) and schedules its
+  value with a step where it is more than 1, so a variable here with the same value serves.
+  """
+  current = getattr(model, "_steps_per_execution", None)
+  if current is None or tf.distribute.has_strategy():
+    return  # not compiled yet; or under a scope, where a new variable would go to a server
+  model._configure_steps_per_execution(int(current.numpy()))  # pylint: disable=protected-access
 
 
 def fit_shared(model, optimizer, shared, epochs: int, callbacks=(), steps_per_epoch=None,
