@@ -22,6 +22,7 @@ from tf_gba.training.config import TrainConfig
 
 WORKERS, BATCH, BATCHES_PER_WORKER = 2, 32, 6
 _ROUNDS = 5
+_WAIT_S = 120.0
 
 
 def _batches_per_worker(cfg):
@@ -35,16 +36,28 @@ def _batches_per_worker(cfg):
         lambda: job.dataset_fn(tf.distribute.InputContext()))  # what PSS hands every worker
     iterator = iter(per_worker)
     first = next(iter(job.info.categorical))
+    with strategy.scope():
+      started = tf.Variable(0, dtype=tf.int64, trainable=False)  # on the parameter server
 
     @tf.function
     def take(it):
       features, labels = next(it)
+      # The coordinator gives a closure to whichever worker is free: on a loaded machine one
+      # worker took every closure of five rounds before the other had started (seen once, two
+      # test runs side by side). So a worker's closure waits until WORKERS closures have started
+      # (at most _WAIT_S): the first WORKERS go to different workers, since a waiting worker
+      # takes no other. After that no closure waits.
+      started.assign_add(1)
+      begin = tf.timestamp()
+      tf.while_loop(
+          lambda i: tf.logical_and(started.read_value() < WORKERS,
+                                   tf.timestamp() - begin < _WAIT_S),
+          lambda i: i + 1, [tf.constant(0, tf.int64)])
       return worker_clock.worker_index(), features[first], labels
 
     got = {w: [] for w in range(WORKERS)}
-    # The coordinator gives a closure to whichever worker is free: on a loaded machine one worker
-    # can take a whole round before the other has started. Rounds go on (each worker's iterator
-    # goes on through its shard) until every worker has read, at most _ROUNDS of them.
+    # Should the wait above time out, rounds go on (each worker's iterator goes on through its
+    # shard) until every worker has read, at most _ROUNDS of them.
     for _ in range(_ROUNDS):
       results = [coordinator.schedule(take, args=(iterator,))
                  for _ in range(WORKERS * BATCHES_PER_WORKER)]
