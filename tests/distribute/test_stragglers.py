@@ -70,6 +70,24 @@ def test_compute_floor_pads_the_step_then_the_factor_stretches_it(factor):
     steps_before, busy_before, delay_before = steps, busy_ns, delay_ns
 
 
+def test_the_longest_step_is_the_largest_own_time_plus_delay():
+  """The counters' longest step: the max over timed steps of each step's busy + delay, as a
+  reference computes it from the per-step differences of the sums."""
+  ops = stragglers._ops()
+  before = ops.gba_worker_step_stats().numpy()
+  longest = int(before[6])
+  profile = stragglers.parse("compute:5+transient:0.5:4")
+  for _ in range(12):
+    start = ops.gba_step_begin()
+    ops.gba_step_end(start, profile=profile, seed=3)
+    stats = ops.gba_worker_step_stats().numpy()
+    step_ns = int(stats[1] - before[1]) + int(stats[2] - before[2])  # this step's busy + delay
+    longest = max(longest, step_ns)
+    assert int(stats[6]) == longest
+    before = stats
+  assert longest >= 4 * 5e6  # a 4x draw of a 5-ms floor came in 12 steps at p = 0.5
+
+
 def test_timed_profile_times_every_step_and_slows_none():
   # `timed` (what --mode=auto runs without a profile): each step's own time is counted as under
   # a profile, no delay; `none` carries no timing op at all.

@@ -107,18 +107,18 @@ def test_hop_bs_holds_fast_workers_behind_a_5x_slower_one(tmp_path):
   # The time inside steps: each step lasts the floor x the worker's factor (its compute is under
   # the floor), so over the measured window a worker is in a step for at least factor x 0.1 s x
   # its steps (qps / 64 a second); at most the window and the one step that ends inside it but
-  # began before it (counted whole): 1 + one step / the window, large when the window is short
-  # (seen: 2.0 s in steps for worker 0's three steps in a 1.63 s window, fraction 1.23). That
-  # step is bounded by 1.5x the worker's mean measured step, as a step may outlast the floor on a
-  # loaded machine. Held fast workers wait at the barrier, outside their steps.
+  # began before it (counted whole): a worker's steps run one after another, so at most the
+  # window plus its longest step (seen: 2.0 s in steps for worker 0's three steps in a 1.63 s
+  # window; 3.37 s for four in 2.08 s beside a test suite, where a step outlasts the floor and the
+  # factor stretches it: 0.84 s a step on average). Held fast workers wait at the barrier,
+  # outside their steps.
   for run in (free, held):
     for w in run["per_worker"]:
       factor = 5 if w["worker"] == 0 else 1
       assert factor * 0.1 * w["qps"] / 64 <= w["in_step_fraction"] * 1.001 + 1e-3, w
+      assert factor * 0.1 <= w["max_step_seconds"] * 1.001, w
       window = run["qps_measured_over_steps"] * 64 / run["global_qps"]
-      steps_measured = w["qps"] * window / 64
-      mean_step = w["in_step_fraction"] / steps_measured  # as a fraction of the window
-      assert w["in_step_fraction"] <= 1 + 1.5 * mean_step + 1e-3, w
+      assert w["in_step_fraction"] * window <= window + w["max_step_seconds"] + 2e-3, w
   assert slow["in_step_fraction"] > max(w["in_step_fraction"] for w in fast) + 0.2, held
 
 

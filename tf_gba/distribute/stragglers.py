@@ -191,12 +191,14 @@ def worker_step_stats(num_workers: int) -> List[dict]:
       # counters are gone with it: zeros, marked.
       out.append({"worker": i, "steps": 0, "busy_seconds": 0.0, "delay_seconds": 0.0,
                   "first_step_unix": 0.0, "unreachable": True, "position_step": None,
-                  "position_elapsed_ns": None})
+                  "position_elapsed_ns": None, "max_step_seconds": 0.0})
       continue
     out.append({"worker": i, "steps": steps, "busy_seconds": busy * 1e-9,
                 "delay_seconds": delay * 1e-9, "first_step_unix": first * 1e-9,
                 # Where the worker is in its straggler sequence (resumptions included).
-                "position_step": stats[4], "position_elapsed_ns": stats[5]})
+                "position_step": stats[4], "position_elapsed_ns": stats[5],
+                # The longest timed step, own time plus delay (0 where no step was timed).
+                "max_step_seconds": stats[6] * 1e-9})
   return out
 
 

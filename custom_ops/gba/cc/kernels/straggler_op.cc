@@ -22,6 +22,9 @@ namespace {
 std::atomic<int64_t> g_steps{0};
 std::atomic<int64_t> g_busy_ns{0};
 std::atomic<int64_t> g_delay_ns{0};
+// The longest timed step (own time plus delay): steps of a worker run one after another, so the
+// time inside the steps that end in a window is at most the window plus this.
+std::atomic<int64_t> g_max_step_ns{0};
 std::atomic<int64_t> g_first_unix_ns{0};
 std::atomic<int64_t> g_first_mono_ns{0};
 // The worker's position in its straggler sequence is g_steps + g_step_offset, and in a trace
@@ -40,6 +43,12 @@ int64_t UnixNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
+}
+
+void RaiseMax(std::atomic<int64_t>* max, int64_t value) {
+  int64_t seen = max->load();
+  while (value > seen && !max->compare_exchange_weak(seen, value)) {
+  }
 }
 
 // First step of this process: starts the clock a trace profile and the straggler position read
@@ -89,6 +98,7 @@ class StepEndOp : public OpKernel {
     if (delay > 0) std::this_thread::sleep_for(std::chrono::nanoseconds(delay));
     g_busy_ns += busy;
     g_delay_ns += std::max<int64_t>(0, delay);
+    RaiseMax(&g_max_step_ns, busy + std::max<int64_t>(0, delay));
     Tensor* out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<float>()() = static_cast<float>(std::max<int64_t>(0, delay) * 1e-9);
@@ -116,7 +126,7 @@ class WorkerStepStatsOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     Tensor* out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({6}), &out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({7}), &out));
     auto v = out->vec<int64_t>();
     v(0) = g_steps.load();
     v(1) = g_busy_ns.load();
@@ -124,6 +134,7 @@ class WorkerStepStatsOp : public OpKernel {
     v(3) = g_first_unix_ns.load();
     v(4) = g_steps.load() + g_step_offset.load();
     v(5) = ElapsedNs(MonoNs());
+    v(6) = g_max_step_ns.load();
   }
 };
 

@@ -277,11 +277,12 @@ REGISTER_OP("GBA>WorkerStepStats")
     .Output("stats: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(6));
+      c->set_output(0, c->Vector(7));
       return ::tensorflow::OkStatus();
     })
     .Doc("[steps, busy_ns, delay_ns, first_step_unix_ns, straggler step position, straggler "
-         "profile elapsed ns] of this worker process.");
+         "profile elapsed ns, longest timed step's ns (own time plus delay)] of this worker "
+         "process.");
 
 REGISTER_OP("GBA>SetStepPosition")
     .Input("step: int64")
