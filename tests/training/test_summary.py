@@ -17,7 +17,8 @@ def _ps_summary(mode="gba"):
   return runner._summary(  # pylint: disable=protected-access
       TrainConfig(mode=mode, steps=20), types.SimpleNamespace(num_ps=1, num_workers=2),
       types.SimpleNamespace(history={"loss": [0.5]}), stats,
-      [{"worker": 0, "steps": 10, "measured_steps": 8, "delay_seconds": 0.25}],
+      [{"worker": 0, "steps": 10, "measured_steps": 8, "delay_seconds": 0.25,
+        "max_step_seconds": 0.5}],
       {"auc": 0.6, "logloss": 0.7, "examples": 100}, 2.0, 16, 3.0, 1, "ckpt-5")
 
 
@@ -53,9 +54,9 @@ def test_ps_summary_values():
 def test_a_restarted_worker_is_not_measured_and_the_restarts_say_why(capsys):
   stats = {"global_step": 5, "dense": None, "dense_all_variables": None, "sparse": None}
   workers = [{"worker": 0, "steps": 3, "measured_steps": None, "measured_in_step_seconds": None,
-              "delay_seconds": 0.0, "unreachable": True},
+              "delay_seconds": 0.0, "unreachable": True, "max_step_seconds": 0.0},
              {"worker": 1, "steps": 9, "measured_steps": 8, "measured_in_step_seconds": 1.5,
-              "delay_seconds": 0.0}]
+              "delay_seconds": 0.0, "max_step_seconds": 0.25}]
   s = runner._summary(  # pylint: disable=protected-access
       TrainConfig(mode="gba", steps=20), types.SimpleNamespace(num_ps=1, num_workers=2),
       types.SimpleNamespace(history={"loss": [0.5]}), stats, workers,

@@ -798,8 +798,7 @@ def _summary(config, strategy, history, stats, worker_stats, evaluation, wall, s
                                       else round(w["measured_in_step_seconds"] / wall, 4)),
                  "injected_delay_seconds": round(w["delay_seconds"], 3),
                  # The worker process's longest timed step (a restarted one's since then).
-                 "max_step_seconds": (None if w.get("max_step_seconds") is None
-                                      else round(w["max_step_seconds"], 4))}
+                 "max_step_seconds": round(w["max_step_seconds"], 4)}
                 for w in worker_stats]
   hop_bs = stats.get("hop_bs")
   if hop_bs:

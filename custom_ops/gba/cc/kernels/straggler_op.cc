@@ -93,15 +93,15 @@ class StepEndOp : public OpKernel {
     // compute:<ms> pads the step to the compute time of a machine of its own, then the slowdown
     // stretches that: delay = (floor - busy) + (factor - 1) * floor.
     const int64_t base = std::max(busy, profile_.compute_floor_ns());
-    const int64_t delay =
-        (base - busy) + static_cast<int64_t>((factor - 1.0) * static_cast<double>(base));
+    const int64_t delay = std::max<int64_t>(
+        0, (base - busy) + static_cast<int64_t>((factor - 1.0) * static_cast<double>(base)));
     if (delay > 0) std::this_thread::sleep_for(std::chrono::nanoseconds(delay));
     g_busy_ns += busy;
-    g_delay_ns += std::max<int64_t>(0, delay);
-    RaiseMax(&g_max_step_ns, busy + std::max<int64_t>(0, delay));
+    g_delay_ns += delay;
+    RaiseMax(&g_max_step_ns, busy + delay);
     Tensor* out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<float>()() = static_cast<float>(std::max<int64_t>(0, delay) * 1e-9);
+    out->scalar<float>()() = static_cast<float>(delay * 1e-9);
   }
 
  private:
