@@ -29,6 +29,16 @@ def fail_or_hang(fail_index, sleep_s):
   return index
 
 
+def serve_on_my_address():
+  """Worker target: starts a real server on its TF_CONFIG address, as the strategy does first."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  config = json.loads(os.environ["TF_CONFIG"])
+  index = config["task"]["index"]
+  tf.distribute.Server(tf.train.ClusterSpec(config["cluster"]), job_name="worker",
+                       task_index=index, protocol="grpc", start=True)
+  return config["cluster"]["worker"][index]
+
+
 def _alive(pid: int) -> bool:
   try:
     os.kill(pid, 0)
@@ -74,3 +84,30 @@ def test_timeout_kills_hanging_workers(tmp_path):
 def test_bad_target_is_refused():
   with pytest.raises(ValueError, match="module:function"):
     collective_cluster._load_target("no_function_here")  # pylint: disable=protected-access
+
+
+def test_workers_start_again_on_new_ports_when_one_could_not_listen(monkeypatch, tmp_path):
+  """Worker 1's port, chosen free, is taken by another listener before its server starts: that
+  worker fails with TensorFlow's "Could not start gRPC server", and both start again on new
+  ports."""
+  import socket  # pylint: disable=g-import-not-at-top
+  held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  held.bind(("", 0))
+  held.listen()
+  port = held.getsockname()[1]
+  real = collective_cluster.free_ports
+  calls = []
+
+  def first_with_a_taken_port(n, host="127.0.0.1"):
+    calls.append(n)
+    ports = real(n, host)
+    return ports if len(calls) > 1 else [ports[0], port]
+
+  monkeypatch.setattr(collective_cluster, "free_ports", first_with_a_taken_port)
+  try:
+    addresses = collective_cluster.run_collective_cluster(
+        f"{_HERE}:serve_on_my_address", num_workers=2, timeout_s=120, log_dir=str(tmp_path))
+  finally:
+    held.close()
+  assert calls == [2, 2]
+  assert len(set(addresses)) == 2 and f"127.0.0.1:{port}" not in addresses

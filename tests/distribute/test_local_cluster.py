@@ -311,3 +311,60 @@ def test_processes_with_other_pids_choose_disjoint_free_ports(monkeypatch):
     chosen[pid] = local_cluster.free_ports(30)
     assert all((port // 64) % 16 == pid % 16 for port in chosen[pid]), (pid, chosen[pid])
   assert not set(chosen[3]) & set(chosen[4])
+
+
+def _listening_socket():
+  """A port held by another process's listener, as a server started between free_ports and our
+  server's bind holds it (no SO_REUSEPORT, so gRPC cannot share it)."""
+  import socket  # pylint: disable=g-import-not-at-top
+  held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  held.bind(("", 0))
+  held.listen()
+  return held, held.getsockname()[1]
+
+
+def test_servers_move_to_new_ports_when_one_was_taken_before_it_listened(monkeypatch):
+  """The first choice gives a parameter server a port another listener took after it was chosen:
+  that server cannot start, and all of them start again on new ports."""
+  from tf_gba.distribute import local_cluster  # pylint: disable=g-import-not-at-top
+  held, port = _listening_socket()
+  real = local_cluster.free_ports
+  calls = []
+
+  def first_with_a_taken_port(n, host="127.0.0.1"):
+    ports = real(n, host)
+    calls.append(n)
+    return ports if len(calls) > 1 else [ports[0], port] + ports[2:]  # ps:0 is index 1
+
+  monkeypatch.setattr(local_cluster, "free_ports", first_with_a_taken_port)
+  try:
+    with LocalCluster(num_ps=1, num_workers=2, log_dir=None) as cluster:
+      assert len(calls) == 2, calls  # the cluster's ports, then new ones for the second start
+      addresses = [a for job in ("chief", "ps", "worker") for a in cluster.cluster_spec[job]]
+      assert f"127.0.0.1:{port}" not in addresses and len(set(addresses)) == 4
+      assert len(cluster.pids) == 3 and all(_alive(p) for p in cluster.pids)
+      # Each server's log is its own start's, ready on its new address.
+      assert "TF_GBA_SERVER_READY ps:0" in cluster.log("ps:0")
+      assert "Could not start gRPC server" not in cluster.log("ps:0")
+      pids = cluster.pids
+    assert _wait_dead(pids) == []
+  finally:
+    held.close()
+
+
+def test_a_port_taken_at_every_start_ends_in_one_error(monkeypatch):
+  from tf_gba.distribute import local_cluster  # pylint: disable=g-import-not-at-top
+  held, port = _listening_socket()
+  real = local_cluster.free_ports
+
+  def always_taken(n, host="127.0.0.1"):
+    ports = real(n, host)
+    return [ports[0], port] + ports[2:]  # ps:0's, at every choice
+
+  monkeypatch.setattr(local_cluster, "free_ports", always_taken)
+  try:
+    with pytest.raises(RuntimeError, match=r"(?s)^Server ps:0 exited with code 1 while starting.*"
+                       r"Could not start gRPC server.*\(3 starts, each on other ports\)$"):
+      LocalCluster(num_ps=1, num_workers=1).start()
+  finally:
+    held.close()

@@ -37,6 +37,8 @@ from tf_gba.distribute import server_forker
 from tf_gba.distribute.server import _watch_parent  # pylint: disable=protected-access
 
 _LOG_TAIL_CHARS = 4000
+_START_ATTEMPTS = 3  # starts of the workers, each on new ports, while one could not listen
+_PORT_TAKEN = "Could not start gRPC server"  # TensorFlow's error when a server cannot listen
 
 
 class ClusterError(RuntimeError):
@@ -96,6 +98,21 @@ def _tail(path: str) -> str:
     return "<no log>"
 
 
+def _wait_all(procs, deadline: float, timeout_s: float):
+  """Until every worker has exited with 0, one has failed, or the deadline: (None, []) on
+  success, else (what went wrong, the indices of the failed workers)."""
+  while True:
+    codes = [proc.poll() for proc in procs]
+    failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+    if failed:
+      return f"worker(s) {failed} exited with {[codes[i] for i in failed]}", failed
+    if all(code == 0 for code in codes):
+      return None, []
+    if time.monotonic() > deadline:
+      return f"cluster did not finish within {timeout_s} s", []
+    time.sleep(0.1)
+
+
 def run_collective_cluster(target: str, num_workers: int = 2,
                            kwargs: Optional[Dict[str, Any]] = None, timeout_s: float = 300.0,
                            env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
@@ -128,7 +145,6 @@ def run_collective_cluster(target: str, num_workers: int = 2,
   own_log_dir = log_dir is None
   log_dir = log_dir or tempfile.mkdtemp(prefix="tf_gba_cluster_")
   os.makedirs(log_dir, exist_ok=True)
-  addresses = [f"127.0.0.1:{port}" for port in free_ports(num_workers)]
   base_env = dict(os.environ)
   base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   base_env["PYTHONPATH"] = os.pathsep.join(
@@ -136,34 +152,32 @@ def run_collective_cluster(target: str, num_workers: int = 2,
   base_env.update(env or {})
   kwargs_json = json.dumps(kwargs or {})
   procs: List = []  # subprocess.Popen or server_forker.ForkedServer
-  logs, results_files = [], []
+  logs = [os.path.join(log_dir, f"worker_{index}.log") for index in range(num_workers)]
+  results_files = [os.path.join(log_dir, f"worker_{index}.json") for index in range(num_workers)]
   try:
-    for index in range(num_workers):
-      worker_env = dict(base_env, TF_CONFIG=json.dumps(tf_config(addresses, index)))
-      log_path = os.path.join(log_dir, f"worker_{index}.log")
-      result_path = os.path.join(log_dir, f"worker_{index}.json")
-      with contextlib.suppress(FileNotFoundError):
-        os.remove(result_path)
-      logs.append(log_path)
-      results_files.append(result_path)
-      procs.append(server_forker.launch(
-          f"worker:{index}", "tf_gba.distribute.collective_cluster",
-          [f"--target={target}", f"--kwargs_json={kwargs_json}", f"--result_file={result_path}"],
-          log_path, worker_env, cwd=cwd, append=False, python=python))
     deadline = time.monotonic() + timeout_s
-    failure = None
-    while True:
-      codes = [proc.poll() for proc in procs]
-      failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
-      if failed:
-        failure = f"worker(s) {failed} exited with {[codes[i] for i in failed]}"
-        break
-      if all(code == 0 for code in codes):
-        break
-      if time.monotonic() > deadline:
-        failure = f"cluster did not finish within {timeout_s} s"
-        break
-      time.sleep(0.1)
+    for attempt in range(1, _START_ATTEMPTS + 1):
+      # A port chosen free stays unbound until its worker's server starts; another process can
+      # take it in between. A worker that could not listen has run nothing of the target's
+      # training (its strategy is made first), nor have its peers, which wait for it: all start
+      # again, on new ports.
+      addresses = [f"127.0.0.1:{port}" for port in free_ports(num_workers)]
+      procs = []
+      for index in range(num_workers):
+        worker_env = dict(base_env, TF_CONFIG=json.dumps(tf_config(addresses, index)))
+        with contextlib.suppress(FileNotFoundError):
+          os.remove(results_files[index])
+        procs.append(server_forker.launch(
+            f"worker:{index}", "tf_gba.distribute.collective_cluster",
+            [f"--target={target}", f"--kwargs_json={kwargs_json}",
+             f"--result_file={results_files[index]}"],
+            logs[index], worker_env, cwd=cwd, append=False, python=python))
+      failure, failed = _wait_all(procs, deadline, timeout_s)
+      if failure is not None and attempt < _START_ATTEMPTS and any(
+          _PORT_TAKEN in _tail(logs[i]) for i in failed):
+        _end_all(procs)
+        continue
+      break
     if failure is not None:
       _end_all(procs)
       tails = "\n".join(f"--- worker {i} ({path}) ---\n{_tail(path)}"

@@ -37,6 +37,11 @@ from tf_gba.distribute import server_forker
 _LOWEST_PORT = 10000
 _PORT_STRIPES = 16       # stripes of the port range, one per pid modulo 16 (see free_ports)
 _PORT_STRIPE_WIDTH = 64  # ports in each block of a stripe
+_START_ATTEMPTS = 3      # starts of a cluster's servers, each on new ports (see _wait_ready_or_move)
+
+
+class _PortTaken(RuntimeError):
+  """A parameter server or worker could not listen on the port chosen for it."""
 
 
 def _ephemeral_port_range() -> Tuple[int, int]:
@@ -207,13 +212,7 @@ class LocalCluster:
     ports = free_ports(num_ps + num_workers + 1 + (num_tfdata_workers + 1 if num_tfdata_workers
                                                    else 0), host)
     self._tfdata_ports = ports[num_ps + num_workers + 1:]
-    ports = ports[:num_ps + num_workers + 1]
-    addr = [f"{host}:{p}" for p in ports]
-    self.cluster_spec = {
-        "chief": [addr[0]],
-        "ps": addr[1:1 + num_ps],
-        "worker": addr[1 + num_ps:],
-    }
+    self.cluster_spec = self._spec(ports[:num_ps + num_workers + 1])
     self._started = False
     self._stopping = False
     self._restart_workers = restart_workers
@@ -239,7 +238,7 @@ class LocalCluster:
         self.tfdata_dispatcher = f"{self.host}:{self._tfdata_ports[0]}"
         for i in range(self.num_tfdata_workers):
           self._spawn("tfdata_worker", i)
-      self._wait_ready()
+      self._wait_ready_or_move()
       if self._restart_workers:
         threading.Thread(target=self._monitor, daemon=True, name="LocalCluster-monitor").start()
     except BaseException:
@@ -264,6 +263,33 @@ class LocalCluster:
     # Appended to: a restarted server's log follows the one of the process it replaces.
     self._procs[name] = server_forker.launch(name, "tf_gba.distribute.server", argv, log, env)
 
+  def _spec(self, ports: List[int]) -> Dict[str, List[str]]:
+    addr = [f"{self.host}:{p}" for p in ports]
+    return {"chief": [addr[0]], "ps": addr[1:1 + self.num_ps], "worker": addr[1 + self.num_ps:]}
+
+  def _wait_ready_or_move(self) -> None:
+    """Waits for every server; when a parameter server or worker could not listen on its port,
+    moves all of them to new ports and waits again (at most _START_ATTEMPTS starts).
+
+    A port chosen free (free_ports) stays unbound until its server starts, a second or so later;
+    another process on the machine can take it in between (seen about once in a test suite's
+    run, which starts over a hundred clusters beside each other). Every server's address is in
+    every other's cluster spec, so all of them move."""
+    for attempt in range(1, _START_ATTEMPTS + 1):
+      try:
+        return self._wait_ready()
+      except _PortTaken as e:
+        if attempt == _START_ATTEMPTS:
+          raise RuntimeError(f"{e} ({attempt} starts, each on other ports)") from None
+        names = [n for n in self._procs if n.split(":")[0] in ("ps", "worker")]
+        _terminate([self._procs.pop(n) for n in names])
+        for name in names:
+          os.remove(self._logs.pop(name))  # a new start's log: its ready line must be its own
+        self.cluster_spec = self._spec(free_ports(self.num_ps + self.num_workers + 1, self.host))
+        for name in names:
+          job, index = name.split(":")
+          self._spawn(job, int(index))
+
   def _wait_ready(self) -> None:
     deadline = time.time() + self._start_timeout
     pending = set(self._procs)
@@ -271,12 +297,15 @@ class LocalCluster:
       for name in list(pending):
         proc = self._procs[name]
         with open(self._logs[name], "rb") as f:
-          if b"TF_GBA_SERVER_READY" in f.read():
-            pending.discard(name)
-            continue
+          log = f.read()
+        if b"TF_GBA_SERVER_READY" in log:
+          pending.discard(name)
+          continue
         if proc.poll() is not None:
-          raise RuntimeError(f"Server {name} exited with code {proc.returncode} while starting. "
-                             f"Its log:\n{self.log(name)[-4000:]}")
+          error = (_PortTaken if name.split(":")[0] in ("ps", "worker") and
+                   b"Could not start gRPC server" in log else RuntimeError)
+          raise error(f"Server {name} exited with code {proc.returncode} while starting. "
+                      f"Its log:\n{self.log(name)[-4000:]}")
       if time.time() > deadline:
         raise TimeoutError(f"Servers {sorted(pending)} not ready after {self._start_timeout}s; "
                            f"logs in {self._logdir}.")
