@@ -32,13 +32,13 @@ import traceback
 from typing import Any, Dict, List, Optional
 
 from tf_gba.common import exiting
+from tf_gba.distribute.local_cluster import PORT_TAKEN
+from tf_gba.distribute.local_cluster import START_ATTEMPTS
 from tf_gba.distribute.local_cluster import free_ports
 from tf_gba.distribute import server_forker
 from tf_gba.distribute.server import _watch_parent  # pylint: disable=protected-access
 
 _LOG_TAIL_CHARS = 4000
-_START_ATTEMPTS = 3  # starts of the workers, each on new ports, while one could not listen
-_PORT_TAKEN = "Could not start gRPC server"  # TensorFlow's error when a server cannot listen
 
 
 class ClusterError(RuntimeError):
@@ -156,7 +156,7 @@ def run_collective_cluster(target: str, num_workers: int = 2,
   results_files = [os.path.join(log_dir, f"worker_{index}.json") for index in range(num_workers)]
   try:
     deadline = time.monotonic() + timeout_s
-    for attempt in range(1, _START_ATTEMPTS + 1):
+    for attempt in range(1, START_ATTEMPTS + 1):
       # A port chosen free stays unbound until its worker's server starts; another process can
       # take it in between. A worker that could not listen has run nothing of the target's
       # training (its strategy is made first), nor have its peers, which wait for it: all start
@@ -173,8 +173,8 @@ def run_collective_cluster(target: str, num_workers: int = 2,
              f"--result_file={results_files[index]}"],
             logs[index], worker_env, cwd=cwd, append=False, python=python))
       failure, failed = _wait_all(procs, deadline, timeout_s)
-      if failure is not None and attempt < _START_ATTEMPTS and any(
-          _PORT_TAKEN in _tail(logs[i]) for i in failed):
+      if failure is not None and attempt < START_ATTEMPTS and any(
+          PORT_TAKEN in _tail(logs[i]) for i in failed):
         _end_all(procs)
         continue
       break

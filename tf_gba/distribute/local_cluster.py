@@ -37,7 +37,10 @@ from tf_gba.distribute import server_forker
 _LOWEST_PORT = 10000
 _PORT_STRIPES = 16       # stripes of the port range, one per pid modulo 16 (see free_ports)
 _PORT_STRIPE_WIDTH = 64  # ports in each block of a stripe
-_START_ATTEMPTS = 3      # starts of a cluster's servers, each on new ports (see _wait_ready_or_move)
+# Starts of a cluster's servers (and of run_collective_cluster's workers), each on new ports,
+# while one could not listen on its chosen port (see LocalCluster._wait_ready_or_move).
+START_ATTEMPTS = 3
+PORT_TAKEN = "Could not start gRPC server"  # TensorFlow's error when a server cannot listen
 
 
 class _PortTaken(RuntimeError):
@@ -269,17 +272,17 @@ class LocalCluster:
 
   def _wait_ready_or_move(self) -> None:
     """Waits for every server; when a parameter server or worker could not listen on its port,
-    moves all of them to new ports and waits again (at most _START_ATTEMPTS starts).
+    moves all of them to new ports and waits again (at most START_ATTEMPTS starts).
 
     A port chosen free (free_ports) stays unbound until its server starts, a second or so later;
     another process on the machine can take it in between (seen about once in a test suite's
     run, which starts over a hundred clusters beside each other). Every server's address is in
     every other's cluster spec, so all of them move."""
-    for attempt in range(1, _START_ATTEMPTS + 1):
+    for attempt in range(1, START_ATTEMPTS + 1):
       try:
         return self._wait_ready()
       except _PortTaken as e:
-        if attempt == _START_ATTEMPTS:
+        if attempt == START_ATTEMPTS:
           raise RuntimeError(f"{e} ({attempt} starts, each on other ports)") from None
         names = [n for n in self._procs if n.split(":")[0] in ("ps", "worker")]
         _terminate([self._procs.pop(n) for n in names])
@@ -296,16 +299,15 @@ class LocalCluster:
     while pending:
       for name in list(pending):
         proc = self._procs[name]
-        with open(self._logs[name], "rb") as f:
-          log = f.read()
-        if b"TF_GBA_SERVER_READY" in log:
+        log = self.log(name)
+        if "TF_GBA_SERVER_READY" in log:
           pending.discard(name)
           continue
         if proc.poll() is not None:
-          error = (_PortTaken if name.split(":")[0] in ("ps", "worker") and
-                   b"Could not start gRPC server" in log else RuntimeError)
+          error = (_PortTaken if name.split(":")[0] in ("ps", "worker") and PORT_TAKEN in log
+                   else RuntimeError)
           raise error(f"Server {name} exited with code {proc.returncode} while starting. "
-                      f"Its log:\n{self.log(name)[-4000:]}")
+                      f"Its log:\n{log[-4000:]}")
       if time.time() > deadline:
         raise TimeoutError(f"Servers {sorted(pending)} not ready after {self._start_timeout}s; "
                            f"logs in {self._logdir}.")
