@@ -375,6 +375,35 @@ def test_other_modes_step_times_are_scaled_by_the_base_step_times():
   assert AutoPolicy.from_dict(policy.to_dict()).base_step_s == {"sync": 0.01}
 
 
+def test_base_step_time_kept_as_it_comes_is_numpys_median_of_the_fastest():
+  rng = np.random.default_rng(7)
+  base = simulate_auto.BaseStepSeconds()
+  assert base.value() is None and simulate_auto.base_step_seconds([]) is None
+  rows = []
+  # Ties and repeated values too: the two heaps must agree with a sort at every count.
+  for _ in range(301):
+    row = np.round(rng.uniform(0.005, 0.05, size=4), 3)
+    rows.append(row)
+    base.add(row)
+    assert len(base) == len(rows)
+    assert base.value() == pytest.approx(np.median([r.min() for r in rows]))
+  assert simulate_auto.base_step_seconds(rows) == pytest.approx(base.value())
+
+
+def test_an_observation_does_not_rescan_the_stay(monkeypatch):
+  # Each observation needs the stay's base step time so far; it is kept as observations come,
+  # not recomputed from all of them (which made a long stay's observations ever slower).
+  calls = []
+  real_add = simulate_auto.BaseStepSeconds.add
+  monkeypatch.setattr(simulate_auto.BaseStepSeconds, "add",
+                      lambda self, t: (calls.append(1), real_add(self, t))[1])
+  policy = AutoPolicy(PolicyConfig(), "sync", 100, {"sync": 0.8, "gba": 0.9})
+  for i in range(500):
+    policy.observe(float(i), [0.01, 0.012, 0.011], 20000.0)
+  assert len(calls) == 500
+  assert policy.stay_base_step_s() == pytest.approx(0.01)
+
+
 def test_switch_cost_accounting_by_hand():
   from tf_gba.training import auto_job  # pylint: disable=g-import-not-at-top
   cfg = PolicyConfig(switch_cost_s=30.0)

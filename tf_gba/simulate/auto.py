@@ -19,6 +19,7 @@ Intervals are on the workers' training clock (a trace's clock, which a switch do
 """
 
 import dataclasses
+import heapq
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -50,8 +51,44 @@ def stay_role(modes_before: Sequence[str], mode: str, probe_s: float,
 def base_step_seconds(step_seconds: Sequence) -> Optional[float]:
   """A stay's base step time: the median over its intervals ([intervals, N] per-worker step
   times) of the fastest worker's; None for no interval."""
-  rows = [np.min(np.asarray(t, np.float64)) for t in step_seconds]
-  return float(np.median(rows)) if rows else None
+  base = BaseStepSeconds()
+  for times in step_seconds:
+    base.add(times)
+  return base.value()
+
+
+class BaseStepSeconds:
+  """`base_step_seconds` of a stay's intervals so far, kept as they come: the policy and `replay`
+  need it after every interval, and recomputing it over the whole stay each time made an
+  interval's cost grow with the stay (a day-long stay observed every second: 86,400 intervals
+  rescanned at each). Two heaps around the median: an interval costs O(log n)."""
+
+  def __init__(self):
+    self._low: List[float] = []   # the smaller half, negated (a max-heap); one more if odd
+    self._high: List[float] = []  # the larger half
+
+  def __len__(self) -> int:
+    return len(self._low) + len(self._high)
+
+  def add(self, step_seconds) -> None:
+    """One interval's per-worker step times: its fastest worker's enters the median."""
+    fastest = float(np.min(np.asarray(step_seconds, np.float64)))
+    if self._low and fastest > -self._low[0]:
+      heapq.heappush(self._high, fastest)
+    else:
+      heapq.heappush(self._low, -fastest)
+    if len(self._low) > len(self._high) + 1:
+      heapq.heappush(self._high, -heapq.heappop(self._low))
+    elif len(self._high) > len(self._low):
+      heapq.heappush(self._low, -heapq.heappop(self._high))
+
+  def value(self) -> Optional[float]:
+    """The median (the mean of the middle two for an even count); None before any interval."""
+    if not self._low:
+      return None
+    if len(self._low) > len(self._high):
+      return -self._low[0]
+    return 0.5 * (self._high[0] - self._low[0])
 
 
 def step_scale(base: Dict[str, Optional[float]], mode: str) -> float:
@@ -156,7 +193,7 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
   probe = stay_role([], mode, probe_s, learns)
   known = dict(efficiency if assumed_efficiency is None else assumed_efficiency)
   base: Dict[str, Optional[float]] = {}
-  observed: List = []  # this stay's observed intervals' step times
+  observed = BaseStepSeconds()  # this stay's observed intervals' base step time
   observed_efficiency: List[float] = []  # and their measured / model QPS
   decisions, modes = [], []
   seconds = examples = 0.0
@@ -174,11 +211,11 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
     if first:  # start-up and tracing: not an observation
       first = False
       continue
-    observed.append(times)
+    observed.add(times)
     observed_efficiency.append(qps / model[f"{mode}_qps"])
     # This mode's base step time from this stay so far, the other's from its last stay.
     e = expected_qps(times, local_batch_size, mode, qps, known,
-                     step_scale(dict(base, **{mode: base_step_seconds(observed)}), mode))
+                     step_scale(dict(base, **{mode: observed.value()}), mode))
     saved = saved_seconds(e["expected"], mode, horizon)
     wants = e["gain"] >= 1 + margin if mode == SYNC else e["gain"] < 1 + margin - hysteresis
     agreeing = agreeing + 1 if wants and saved > switch_cost_s else 0
@@ -193,8 +230,9 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
       # The stay's measured efficiency, learned at its end.
       known[mode] = (efficiency[mode] if overhead_s is None
                      else float(np.mean(observed_efficiency)))
-      base[mode] = base_step_seconds(observed)
-      mode, in_mode, agreeing, first, observed = other_mode(mode), 0.0, 0, True, []
+      base[mode] = observed.value()
+      mode, in_mode, agreeing, first = other_mode(mode), 0.0, 0, True
+      observed = BaseStepSeconds()
       observed_efficiency = []
       seconds += switch_cost_s
       probe = stay_role(stays, mode, probe_s, learns)

@@ -177,6 +177,7 @@ class AutoPolicy:
     self.base_step_s = {m: float(v) for m, v in (base_step_s or {}).items() if v}
     self._agreeing = 0
     self.observations: List[dict] = []
+    self._base_step = auto_sim.BaseStepSeconds()  # of the observations' per-worker step times
     self.skipped = 0  # intervals without a usable step time (no step timed)
 
   @property
@@ -215,7 +216,7 @@ class AutoPolicy:
   def stay_base_step_s(self) -> Optional[float]:
     """This stay's base step time: the median of its observations' fastest worker's step time
     (None before any)."""
-    return auto_sim.base_step_seconds([o["per_worker_step_seconds"] for o in self.observations])
+    return self._base_step.value()
 
   def observe(self, trained_s: float, step_seconds, measured_qps: float) -> Optional[dict]:
     times = np.asarray(step_seconds, np.float64)
@@ -224,10 +225,10 @@ class AutoPolicy:
       self.skipped += 1
       return None
     per_worker = times if times.ndim == 1 else times.mean(axis=0)
-    # This mode's base step time from this stay so far (this interval included), the other's
-    # from its last stay.
-    base = dict(self.base_step_s, **{self.mode: auto_sim.base_step_seconds(
-        [o["per_worker_step_seconds"] for o in self.observations] + [per_worker])})
+    # This mode's base step time from this stay so far (this interval included: it is an
+    # observation from here on), the other's from its last stay.
+    self._base_step.add(per_worker)
+    base = dict(self.base_step_s, **{self.mode: self._base_step.value()})
     # Efficiencies held (not learned): the current mode too is its model QPS times its own.
     e = auto_sim.expected_qps(times, self.local_batch_size, self.mode,
                               measured_qps if self.config.learn_efficiency else None,
