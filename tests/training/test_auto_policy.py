@@ -378,7 +378,7 @@ def test_other_modes_step_times_are_scaled_by_the_base_step_times():
 def test_base_step_time_kept_as_it_comes_is_numpys_median_of_the_fastest():
   rng = np.random.default_rng(7)
   base = simulate_auto.BaseStepSeconds()
-  assert base.value() is None and simulate_auto.base_step_seconds([]) is None
+  assert base.value() is None
   rows = []
   # Ties and repeated values too: the two heaps must agree with a sort at every count.
   for _ in range(301):
@@ -387,7 +387,6 @@ def test_base_step_time_kept_as_it_comes_is_numpys_median_of_the_fastest():
     base.add(row)
     assert len(base) == len(rows)
     assert base.value() == pytest.approx(np.median([r.min() for r in rows]))
-  assert simulate_auto.base_step_seconds(rows) == pytest.approx(base.value())
 
 
 def test_an_observation_does_not_rescan_the_stay(monkeypatch):

@@ -6,7 +6,7 @@ uses them): a mode's expected QPS is its model QPS (`predicted_qps`) times its e
 current mode's is what it measured. A step's own time depends on the mode (a GBA step holds its
 parameter-server round trips, a Sync step not its all-reduce), so the other mode's model QPS is
 predicted from the current step times scaled by `step_scale`: the ratio of the two modes' base
-step times (each the fastest worker's median step time, `base_step_seconds`: the current mode's
+step times (each the fastest worker's median step time, `BaseStepSeconds`: the current mode's
 over this stay so far, the other's over its last stay), 1 until the other has had a stay. The
 fastest worker's, so that stragglers in one stay and not the other do not enter the ratio; a
 ratio, because a slowdown stretches a step's whole own time.
@@ -48,20 +48,12 @@ def stay_role(modes_before: Sequence[str], mode: str, probe_s: float,
   return None
 
 
-def base_step_seconds(step_seconds: Sequence) -> Optional[float]:
-  """A stay's base step time: the median over its intervals ([intervals, N] per-worker step
-  times) of the fastest worker's; None for no interval."""
-  base = BaseStepSeconds()
-  for times in step_seconds:
-    base.add(times)
-  return base.value()
-
-
 class BaseStepSeconds:
-  """`base_step_seconds` of a stay's intervals so far, kept as they come: the policy and `replay`
-  need it after every interval, and recomputing it over the whole stay each time made an
-  interval's cost grow with the stay (a day-long stay observed every second: 86,400 intervals
-  rescanned at each). Two heaps around the median: an interval costs O(log n)."""
+  """A stay's base step time: the median over its intervals so far of the fastest worker's step
+  time, kept as intervals come. The policy and `replay` need it after every interval;
+  recomputing it over the whole stay each time made an interval's cost grow with the stay (a
+  day-long stay observed every second: 86,400 intervals rescanned at each). Two heaps around the
+  median: an interval costs O(log n)."""
 
   def __init__(self):
     self._low: List[float] = []   # the smaller half, negated (a max-heap); one more if odd
@@ -178,7 +170,7 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
   observation whatever the gain (a decision with `probe` True). `assumed_efficiency`: what the
   job assumes of a mode before its first stay (the flags; default `efficiency`, known from the
   start): a mode observed in a stay is known at its true `efficiency` from that stay's end on,
-  as the job learns it, and so is its base step time (`base_step_seconds` of the stay's observed
+  as the job learns it, and so is its base step time (`BaseStepSeconds` of the stay's observed
   intervals). With `assumed_efficiency`, a mode's first stay after another (after the probe, or
   entered on the assumption) may be left after `measure_s` seconds instead of `dwell_s`.
 
