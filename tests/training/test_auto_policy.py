@@ -2,12 +2,14 @@
 hysteresis, confirmation and dwell time on hand-made sequences of step times; the measured
 efficiencies and the switch cost rule against hand-computed and NumPy references."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from tf_gba.simulate import SimConfig, predicted_qps, simulate
 from tf_gba.simulate import auto as simulate_auto
-from tf_gba.training.auto_policy import AutoPolicy, PolicyConfig, expected_switch_cost
+from tf_gba.training.auto_policy import AutoPolicy, PolicyConfig, describe, expected_switch_cost
 
 
 def reference(times: np.ndarray, batch: int):
@@ -254,8 +256,10 @@ def test_interval_without_timed_steps_is_skipped():
 
 def test_policy_round_trips_through_a_dict():
   cfg = PolicyConfig(margin=0.2, hysteresis=0.1, gba_efficiency=0.6, switch_cost_s=12.0)
-  policy = AutoPolicy(cfg, "sync", 64, {"sync": 0.7}, [8.0], 123.0)
+  policy = AutoPolicy(cfg, "sync", 64, {"sync": 0.7}, [8.0], 123.0,
+                      overhead_s={"gba": 0.031}, base_step_s={"gba": 0.012})
   again = AutoPolicy.from_dict(policy.to_dict())
+  assert again.overhead_s == {"gba": 0.031} and again.base_step_s == {"gba": 0.012}
   assert again.config == cfg and again.mode == "sync" and again.local_batch_size == 64
   assert again.efficiency == {"sync": 0.7, "gba": 0.6} and again.switch_cost_s == 8.0
   assert again.decided_unix == 123.0
@@ -518,13 +522,18 @@ def test_probe_stays_by_hand():
     AutoPolicy(cfg, "sync", 256, probe="third")
 
 
-def job_decisions(intervals, eff, assumed, cfg):
+def job_decisions(intervals, eff, assumed, cfg, overhead_s=None):
   """AutoPolicy fed `intervals` as the job (auto_job.run) feeds it: a new policy per stay, its
-  first interval skipped, each mode measured at its true efficiency `eff`, known to the next
-  stays at its last stay's mean (`assumed` before), the first stay a probe with cfg.probe_s and
-  a mode's first stay after another 'second'."""
+  first interval skipped, each mode measured at its true efficiency `eff` (or, with
+  `overhead_s`, at the model on its step times plus that overhead), its efficiency, step
+  overhead and base step time known to the next stays from its last stay (`assumed` before),
+  the first stay a probe with cfg.probe_s and a mode's first stay after another 'second'.
+  `intervals`: [N] step times per interval, or {mode: [intervals, N]}, each mode's own."""
+  per_mode = intervals if isinstance(intervals, dict) else {"sync": intervals, "gba": intervals}
   mode, policy, out, known, visited, in_mode = "sync", None, [], dict(assumed), [], 0.0
-  for i, times in enumerate(intervals):
+  overhead, base = {}, {}
+  for i in range(len(per_mode["sync"])):
+    times = per_mode[mode][i]
     in_mode += 5.0  # seconds trained in this mode at the interval's end
     if policy is None:
       probe = None
@@ -532,13 +541,20 @@ def job_decisions(intervals, eff, assumed, cfg):
         probe = "first"
       elif visited and mode not in visited:
         probe = "second"
-      policy = AutoPolicy(cfg, mode, 256, known, [cfg.switch_cost_s], probe=probe)
+      policy = AutoPolicy(cfg, mode, 256, known, [cfg.switch_cost_s], probe=probe,
+                          base_step_s=base, overhead_s=overhead)
       visited.append(mode)
       continue
-    d = observe(policy, in_mode, times, eff[mode])
+    if overhead_s is None:
+      d = observe(policy, in_mode, times, eff[mode])
+    else:
+      d = policy.observe(in_mode, times,
+                         simulate_auto.stretched_qps(times, 256, mode, overhead_s[mode]))
     if d is not None:
       out.append((i, d["from"], d["to"], d["expected_gain"], d["probe"]))
       known[mode] = policy.stay_efficiency()
+      overhead[mode] = policy.stay_overhead_s()
+      base[mode] = policy.stay_base_step_s()
       mode, policy, in_mode = d["to"], None, 0.0
   return out
 
@@ -697,3 +713,111 @@ def test_the_summary_names_each_stays_role(capsys):
   assert lines[0].endswith("efficiency 0.50) (probe)")
   assert lines[1].endswith("efficiency 0.50) (first stay: measures its efficiency)")
   assert lines[2].endswith("efficiency 0.50)")
+
+
+def test_other_mode_is_predicted_by_its_measured_step_overhead():
+  # No compute floor, as measured here: a quiet Sync step is the workers' own 5 ms plus 45 ms
+  # beyond them (4 x 256 / 0.05 = 20,480 QPS, 0.1 of its model 4 x 256 / 0.005).
+  quiet = [0.005] * 4
+  sync = AutoPolicy(PolicyConfig(dwell_s=1e9), "sync", 256)
+  for qps in (20480.0, 4 * 256 / 0.055, 4 * 256 / 0.04):  # overheads 45, 50 and 35 ms
+    sync.observe(10.0, quiet, qps)
+  assert [o["overhead_s"] for o in sync.observations] == pytest.approx([0.045, 0.05, 0.035])
+  assert sync.stay_overhead_s() == pytest.approx(0.045)  # their median
+  assert sync.observations[0]["efficiency"] == pytest.approx(0.1)
+  # In GBA, with workers 0 and 1 4x slower: GBA's own steps (15 ms quiet, with its round trips)
+  # take 60 ms on the slow ones. Sync's steps are predicted at 1/3 of these (the base step times'
+  # ratio, 5 / 15 ms), its slowest 20 ms, plus its 45 ms: 4 x 256 / 0.065 = 15,754 QPS. By its
+  # quiet efficiency instead, 0.1 x 4 x 256 / 0.02 = 5,120.
+  window = [0.06, 0.06, 0.015, 0.015]
+  cfg = PolicyConfig(margin=0.3, hysteresis=0.15, dwell_s=0.0, confirm=1, switch_cost_s=5.0)
+  gba = AutoPolicy(cfg, "gba", 256, {"sync": 0.1}, base_step_s={"sync": 0.005},
+                   overhead_s={"sync": 0.045})
+  decision = gba.observe(30.0, window, 14000.0)
+  record = gba.observations[-1]
+  assert record["other_by"] == "overhead" and record["other_overhead_s"] == 0.045
+  assert record["other_step_scale"] == pytest.approx(1 / 3)
+  assert record["expected_sync_qps"] == pytest.approx(4 * 256 / 0.065)
+  # Gain 14,000 / 15,754 = 0.889 < 1.15, saves 60 x (15,754 / 14,000 - 1) = 7.5 s > 5 s.
+  assert decision is not None and decision["to"] == "sync"
+  assert decision["expected_gain"] == pytest.approx(14000.0 * 0.065 / 1024)
+  assert "sync at its step overhead 45.0 ms on 0.33x these steps' times" in describe(decision)
+  # Before Sync's overhead is known (or with efficiencies held): by its efficiency, as before,
+  # where Sync looks 2.7x slower than GBA and the job stays.
+  for policy in (AutoPolicy(cfg, "gba", 256, {"sync": 0.1}, base_step_s={"sync": 0.005}),
+                 AutoPolicy(dataclasses.replace(cfg, learn_efficiency=False), "gba", 256,
+                            {"sync": 0.1}, base_step_s={"sync": 0.005},
+                            overhead_s={"sync": 0.045})):
+    assert policy.observe(30.0, window, 14000.0) is None
+    record = policy.observations[-1]
+    assert record["other_by"] == "efficiency"
+    assert record["expected_sync_qps"] == pytest.approx(5120.0)
+  assert "at efficiency 0.10 of its model" in describe(dict(decision, other_by="efficiency"))
+
+
+def test_prediction_by_overhead_matches_numpy_reference():
+  rng = np.random.default_rng(11)
+  cfg = PolicyConfig(margin=0.2, hysteresis=0.1, dwell_s=0, confirm=1, horizon_s=90.0)
+  switched = stayed = 0
+  for _ in range(300):
+    mode = "sync" if rng.random() < 0.5 else "gba"
+    other = "gba" if mode == "sync" else "sync"
+    n = int(rng.integers(2, 9))
+    times = rng.uniform(0.003, 0.4, size=n)
+    own_base, other_base = rng.uniform(0.003, 0.05, size=2)
+    o = rng.uniform(0.0, 0.1)
+    measured = model_qps(mode, times) * rng.uniform(0.1, 1.0)
+    cost = rng.uniform(0.0, 30.0)
+    policy = AutoPolicy(cfg, mode, 256, {}, [cost], base_step_s={other: other_base},
+                        overhead_s={other: o})
+    # The running median of the fastest worker is this one observation's.
+    policy._base_step.add([own_base] * n)  # pylint: disable=protected-access
+    got = policy.observe(10.0, times, measured)
+    record = policy.observations[-1]
+    # The other mode's steps: these times x its base / the (two-observation) median of these.
+    base_now = np.median([own_base, times.min()])
+    t = times * other_base / base_now
+    want = n * 256 / (t.max() + o) if other == "sync" else 256 * np.sum(1.0 / (t + o))
+    expected = {mode: measured, other: want}
+    gain = expected["gba"] / expected["sync"]
+    saved = 90.0 * (expected[other] / expected[mode] - 1.0)
+    wants = gain >= 1.2 if mode == "sync" else gain < 1.1
+    assert record[f"expected_{other}_qps"] == pytest.approx(want, rel=1e-12)
+    assert record["expected_gain"] == pytest.approx(gain, rel=1e-12)
+    assert record["saved_s"] == pytest.approx(saved, rel=1e-9, abs=1e-9)
+    # This observation's own overhead solves the model: the stretched steps give what it measured.
+    oo = record["overhead_s"]
+    back = n * 256 / (times.max() + oo) if mode == "sync" else 256 * np.sum(1.0 / (times + oo))
+    assert back == pytest.approx(measured, rel=1e-9)
+    assert (got is not None) == bool(wants and saved > cost)
+    switched += got is not None
+    stayed += got is None
+  assert switched > 20 and stayed > 20  # both outcomes exercised
+
+
+def test_simulator_replays_the_policy_learning_step_overheads():
+  # No floor: Sync's own steps 5 ms, GBA's 15 ms (its round trips in them), workers 0 and 1 4x
+  # slower in intervals 20-39 of 60. Each mode trains at the model plus its overhead: Sync 45 ms,
+  # GBA 40 ms. The job assumes both at their model (efficiency 1) before it has run them.
+  sync = np.full((60, 4), 0.005)
+  gba = np.full((60, 4), 0.015)
+  sync[20:40, :2] *= 4
+  gba[20:40, :2] *= 4
+  per_mode, over = {"sync": sync, "gba": gba}, {"sync": 0.045, "gba": 0.040}
+  rule = dict(margin=0.3, hysteresis=0.15, dwell_s=20.0, confirm=2, horizon_s=60.0)
+  assumed = {"sync": 1.0, "gba": 1.0}
+  got = simulate_auto.replay(per_mode, 5.0, 256, assumed, 5.0, overhead_s=over,
+                             assumed_efficiency=assumed, **rule)
+  # Sync (20,480 QPS) expects GBA at its model 4 x 256 / 0.005 (gain 10) and leaves after its
+  # dwell; GBA's first stay measures 4 x 256 / 0.055 = 18,618 and expects Sync at its overhead,
+  # 4 x 256 / (0.015 / 3 + 0.045) = 20,480 (gain 0.909): back at its second observation. In the
+  # window Sync (4 x 256 / 0.065 = 15,754) expects GBA at 256 x (2 / 0.1 + 2 / 0.055) = 14,429
+  # from its overhead: it stays.
+  assert [(d["interval"], d["to"], d["other_by"]) for d in got.decisions] == [
+      (3, "gba", "efficiency"), (6, "sync", "overhead")]
+  assert got.decisions[1]["expected_gain"] == pytest.approx((1024 / 0.055) / 20480.0)
+  assert got.modes == ["sync"] * 4 + ["gba"] * 3 + ["sync"] * 53
+  cfg = PolicyConfig(switch_cost_s=5.0, **rule)
+  want = job_decisions(per_mode, None, assumed, cfg, overhead_s=over)
+  assert [(d["interval"], d["from"], d["to"]) for d in got.decisions] == [w[:3] for w in want]
+  assert [d["expected_gain"] for d in got.decisions] == pytest.approx([w[3] for w in want])

@@ -2,19 +2,28 @@
 switch cost: what the job would decide, and what its run would cost, without running it.
 
 `expected_qps` and `saved_seconds` are the arithmetic of `tf_gba.training.auto_policy` (which
-uses them): a mode's expected QPS is its model QPS (`predicted_qps`) times its efficiency, the
-current mode's is what it measured. A step's own time depends on the mode (a GBA step holds its
-parameter-server round trips, a Sync step not its all-reduce), so the other mode's model QPS is
-predicted from the current step times scaled by `step_scale`: the ratio of the two modes' base
-step times (each the fastest worker's median step time, `BaseStepSeconds`: the current mode's
-over this stay so far, the other's over its last stay), 1 until the other has had a stay. The
-fastest worker's, so that stragglers in one stay and not the other do not enter the ratio; a
-ratio, because a slowdown stretches a step's whole own time.
+uses them): the current mode's expected QPS is what it measured; the other mode's is the model
+(`predicted_qps`) on the current step times stretched by that mode's step overhead, measured in
+its last stay (`stretched_qps`, `step_overhead_seconds`), and before its first stay its model
+QPS times the efficiency assumed for it. An overhead and not an efficiency (measured / model
+QPS), because most of a step here can be beyond the workers' own step times (a Sync step
+without a compute floor: 48-50 ms of all-reduce and waiting for a core on 3-8 ms of its own):
+when stragglers stretch the own times, the overhead stays and the efficiency does not (Sync's
+0.09 measured on quiet workers predicted it at 4,500-4,700 QPS with two workers 4x slower, where
+it trained at 17,600-18,100).
+
+A step's own time depends on the mode (a GBA step holds its parameter-server round trips, a Sync
+step not its all-reduce), so the other mode's step times are predicted from the current ones
+scaled by `step_scale`: the ratio of the two modes' base step times (each the fastest worker's
+median step time, `BaseStepSeconds`: the current mode's over this stay so far, the other's over
+its last stay), 1 until the other has had a stay. The fastest worker's, so that stragglers in
+one stay and not the other do not enter the ratio; a ratio, because a slowdown stretches a
+step's whole own time.
 
 `replay` walks a sequence of logging intervals (each a vector of the workers' own step times,
 `interval_s` seconds of training) through the same rule: the current mode's measured QPS is its
-model QPS times its efficiency, the first interval of each stay is not an observation
-(start-up), and a switch stops training for `switch_cost_s` seconds.
+model QPS times its efficiency (or stretched by a given overhead), the first interval of each
+stay is not an observation (start-up), and a switch stops training for `switch_cost_s` seconds.
 Intervals are on the workers' training clock (a trace's clock, which a switch does not advance).
 """
 
@@ -91,20 +100,29 @@ def step_scale(base: Dict[str, Optional[float]], mode: str) -> float:
 
 
 def expected_qps(step_seconds, local_batch_size: int, mode: str, measured_qps: float,
-                 efficiency: Dict[str, float], scale: float = 1.0) -> dict:
+                 efficiency: Dict[str, float], scale: float = 1.0,
+                 overhead_s: Optional[Dict[str, float]] = None) -> dict:
   """Both modes' expected QPS while training in `mode`: its own measured (model QPS times its
-  efficiency if `measured_qps` is None: efficiencies held), the other's model QPS from the step
-  times times `scale` (`step_scale`), times its efficiency; with the model's QPS and, from the
-  step times alone, the model's gain (`predicted_qps`)."""
+  efficiency if `measured_qps` is None: efficiencies held); the other's from the step times
+  times `scale` (`step_scale`): `stretched_qps` with its step overhead where `overhead_s` has
+  one for it (measured in its last stay), else its model QPS times its efficiency. With the
+  model's QPS and, from the step times alone, the model's gain (`predicted_qps`); `other_by`
+  says which prediction the other mode had ("overhead" or "efficiency")."""
   times = np.asarray(step_seconds, np.float64)
   model = predicted_qps(times, local_batch_size)
   other = other_mode(mode)
-  other_model = model if scale == 1.0 else predicted_qps(times * scale, local_batch_size)
+  other_times = times if scale == 1.0 else times * scale
+  other_model = model if scale == 1.0 else predicted_qps(other_times, local_batch_size)
   model_qps = {mode: model[f"{mode}_qps"], other: other_model[f"{other}_qps"]}
   own = model_qps[mode] * efficiency[mode] if measured_qps is None else float(measured_qps)
-  expected = {mode: own, other: model_qps[other] * efficiency[other]}
+  other_overhead = (overhead_s or {}).get(other)
+  if other_overhead is None:
+    other_qps, by = model_qps[other] * efficiency[other], "efficiency"
+  else:
+    other_qps, by = stretched_qps(other_times, local_batch_size, other, other_overhead), "overhead"
+  expected = {mode: own, other: other_qps}
   return {"model": model_qps, "model_gain": model["gain"], "expected": expected,
-          "gain": expected[GBA] / expected[SYNC], "scale": float(scale)}
+          "gain": expected[GBA] / expected[SYNC], "scale": float(scale), "other_by": by}
 
 
 def stretched_qps(step_seconds, local_batch_size: int, mode: str, overhead_s: float) -> float:
@@ -149,7 +167,7 @@ def saved_seconds(expected: Dict[str, float], mode: str, horizon_s: float) -> fl
 
 @dataclasses.dataclass
 class Replay:
-  decisions: List[dict]      # each: interval, from, to, expected gain, saved_s
+  decisions: List[dict]      # each: interval, from, to, expected gain, saved_s, other_by
   modes: List[str]           # the mode each interval trained in
   seconds: float             # training plus switches
   examples: float
@@ -177,6 +195,10 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
   `overhead_s`: each mode trains at `stretched_qps` with this overhead per step instead of at its
   model QPS times `efficiency`; a stay then teaches the job the mean of its observed intervals'
   efficiencies (measured / model QPS), as the job learns it.
+
+  A job that learns (`assumed_efficiency` given) also learns each stay's step overhead, the
+  median over its observed intervals of `step_overhead_seconds`, and from then on predicts that
+  mode by it (`expected_qps`), as the job does.
   """
   horizon = max(horizon_s, dwell_s)
   mode, in_mode, agreeing, first = start, 0.0, 0, True
@@ -184,9 +206,11 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
   stays = [mode]  # the mode of each stay so far
   probe = stay_role([], mode, probe_s, learns)
   known = dict(efficiency if assumed_efficiency is None else assumed_efficiency)
+  known_overhead: Dict[str, float] = {}  # each mode's step overhead from its last stay
   base: Dict[str, Optional[float]] = {}
   observed = BaseStepSeconds()  # this stay's observed intervals' base step time
   observed_efficiency: List[float] = []  # and their measured / model QPS
+  observed_overhead: List[float] = []    # and their step overhead
   decisions, modes = [], []
   seconds = examples = 0.0
   per_mode = {m: np.asarray(step_seconds[m] if isinstance(step_seconds, dict) else step_seconds,
@@ -205,9 +229,11 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
       continue
     observed.add(times)
     observed_efficiency.append(qps / model[f"{mode}_qps"])
+    if learns:
+      observed_overhead.append(step_overhead_seconds(times, qps, local_batch_size, mode))
     # This mode's base step time from this stay so far, the other's from its last stay.
     e = expected_qps(times, local_batch_size, mode, qps, known,
-                     step_scale(dict(base, **{mode: observed.value()}), mode))
+                     step_scale(dict(base, **{mode: observed.value()}), mode), known_overhead)
     saved = saved_seconds(e["expected"], mode, horizon)
     wants = e["gain"] >= 1 + margin if mode == SYNC else e["gain"] < 1 + margin - hysteresis
     agreeing = agreeing + 1 if wants and saved > switch_cost_s else 0
@@ -218,14 +244,17 @@ def replay(step_seconds: Sequence, interval_s: float, local_batch_size: int,
     if switch:
       decisions.append({"interval": i, "from": mode, "to": other_mode(mode),
                         "expected_gain": e["gain"], "saved_s": saved,
-                        "step_scale": e["scale"], "probe": probe == "first"})
+                        "step_scale": e["scale"], "other_by": e["other_by"],
+                        "probe": probe == "first"})
       # The stay's measured efficiency, learned at its end.
       known[mode] = (efficiency[mode] if overhead_s is None
                      else float(np.mean(observed_efficiency)))
       base[mode] = observed.value()
+      if observed_overhead:
+        known_overhead[mode] = float(np.median(observed_overhead))
       mode, in_mode, agreeing, first = other_mode(mode), 0.0, 0, True
       observed = BaseStepSeconds()
-      observed_efficiency = []
+      observed_efficiency, observed_overhead = [], []
       seconds += switch_cost_s
       probe = stay_role(stays, mode, probe_s, learns)
       stays.append(mode)

@@ -18,7 +18,7 @@ The summary is the last stay's (its evaluation, checkpoint, staleness) with `mod
 `steps`, `examples` and `wall_seconds` of the whole run (switches included), `switches` (each
 with the step it happened at, the modes, the model's and the expected gain, the time it was to
 save, its expected and measured cost and where that went, and the step times that caused it),
-`stays` (each with its measured efficiency) and a `timeline` of (seconds, mode, QPS) for plotting.
+`stays` (each with its measured efficiency and step overhead) and a `timeline` of (seconds, mode, QPS) for plotting.
 
 Without a straggler profile the stays run the `timed` profile: every step timed, none slowed.
 """
@@ -239,6 +239,7 @@ def run(config: TrainConfig) -> dict:
   stays, switches, timeline = [], [], []
   efficiency = policy_cfg.initial_efficiency()
   base_step_s = {}  # each mode's base step time, from its last stay
+  overhead_s = {}   # and its step overhead (learned, as efficiencies are)
   summary = None
   while remaining > 0:
     # Sync observes at its own progress lines, every log_every global steps (N worker steps
@@ -251,7 +252,7 @@ def run(config: TrainConfig) -> dict:
     policy = auto_policy.AutoPolicy(policy_cfg, mode, config.local_batch_size, efficiency,
                                     switch_costs(switches),
                                     switches[-1]["decided_unix"] if switches else None, probe,
-                                    base_step_s)
+                                    base_step_s, overhead_s)
     stay_t0 = time.time()
     if switches and "next_call_unix" not in switches[-1]:
       switches[-1]["next_call_unix"] = stay_t0
@@ -268,6 +269,7 @@ def run(config: TrainConfig) -> dict:
       observations = policy.observations
       phases = getattr(watch.job, "phase_unix", {}) if watch.job is not None else {}
       info = {"efficiency": policy.stay_efficiency(),
+              "overhead_s": policy.stay_overhead_s(),
               "base_step_s": policy.stay_base_step_s(),
               "train_begin_unix": watch.train_begin_unix,
               "skipped": policy.skipped, "started_unix": phases.get("started"),
@@ -281,6 +283,8 @@ def run(config: TrainConfig) -> dict:
     stay_efficiency = info.get("efficiency")
     if policy_cfg.learn_efficiency and stay_efficiency is not None:
       efficiency = dict(efficiency, **{mode: stay_efficiency})
+    if policy_cfg.learn_efficiency and info.get("overhead_s") is not None:
+      overhead_s = dict(overhead_s, **{mode: info["overhead_s"]})
     if info.get("base_step_s"):
       base_step_s = dict(base_step_s, **{mode: info["base_step_s"]})
     trained = int(summary["steps"])
@@ -289,7 +293,8 @@ def run(config: TrainConfig) -> dict:
                   "train_seconds": summary["wall_seconds"], "global_qps": summary["global_qps"],
                   "start_global_step": summary["start_global_step"],
                   "global_step": summary["global_step"],
-                  "efficiency": stay_efficiency, "base_step_s": info.get("base_step_s"),
+                  "efficiency": stay_efficiency, "overhead_s": info.get("overhead_s"),
+                  "base_step_s": info.get("base_step_s"),
                   "observations": len(observations),
                   "skipped_observations": info.get("skipped", 0),
                   "step_seconds": [o["per_worker_step_seconds"] for o in observations],
@@ -315,6 +320,7 @@ def run(config: TrainConfig) -> dict:
           "expected_gba_qps": decision["expected_gba_qps"],
           "measured_qps": decision["measured_qps"], "efficiency": decision["efficiency"],
           "other_efficiency": decision["other_efficiency"],
+          "other_by": decision["other_by"], "other_overhead_s": decision["other_overhead_s"],
           "other_step_scale": decision["other_step_scale"], "saved_s": decision["saved_s"],
           "horizon_s": decision["horizon_s"],
           "expected_switch_cost_s": decision["switch_cost_s"], "cost_s": None,
@@ -338,7 +344,7 @@ def run(config: TrainConfig) -> dict:
       "global_qps": done_steps * config.local_batch_size / max(wall, 1e-9),
       "switches": switches, "num_switches": len(switches), "stays": stays,
       "switch_seconds": sum(switch_costs(switches)), "efficiency": efficiency,
-      "base_step_s": base_step_s,
+      "base_step_s": base_step_s, "overhead_s": overhead_s,
       "timeline": timeline, "stragglers": config.stragglers,
       "policy": dataclasses.asdict(policy_cfg)})
   summary_lib.write(config.model_dir, out)
@@ -378,6 +384,8 @@ def print_auto(s: dict) -> None:
            f"{s['num_switches']} switch(es), final AUC {s['eval_auc']:.4f}"]
   for st in s["stays"]:
     eff = "" if st.get("efficiency") is None else f", efficiency {st['efficiency']:.2f}"
+    if st.get("overhead_s") is not None:
+      eff += f", step overhead {st['overhead_s'] * 1e3:.1f} ms"
     lines.append(f"  {st['mode']:<5} from step {st['start_step']:>7}: {st['steps']} steps, "
                  f"{st['seconds']:.1f} s ({st['train_seconds']:.1f} s training, QPS "
                  f"{st['global_qps']:,.0f}{eff}){_STAY_ROLE.get(st.get('probe'), '')}")

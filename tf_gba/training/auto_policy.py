@@ -10,12 +10,23 @@ each step, GBA by the sum of the workers' rates. A real cluster reaches a fracti
 efficiency, which differs between the modes (Sync's all-reduce, GBA's parameter-server round
 trips) and is known only by running them:
 
-  efficiency of a mode   = measured QPS / its model QPS from the same interval's step times
+  efficiency of a mode     = measured QPS / its model QPS from the same interval's step times
+  step overhead of a mode  = the seconds o a step took beyond the workers' own step times: the
+                             model on the own times plus o gives the measured QPS
+                             (`step_overhead_seconds`)
   expected QPS, this mode  = its measured QPS (with efficiencies held, `learn_efficiency`
                              False: its model QPS x its efficiency, as the other's)
-  expected QPS, other mode = its model QPS x its efficiency (the mean over its last stay;
-                             before its first stay `sync_efficiency` / `gba_efficiency`)
+  expected QPS, other mode = the model on the step times plus its step overhead (the median over
+                             its last stay, `stretched_qps`); before its first stay (or with
+                             efficiencies held) its model QPS x its efficiency
+                             (`sync_efficiency` / `gba_efficiency`)
   expected gain            = expected GBA QPS / expected Sync QPS
+
+An overhead, once measured, because most of a step can lie beyond the workers' own step times
+(without a compute floor here a Sync step is 48-50 ms of all-reduce, input and waiting for a
+core on 3-8 ms of its own): with two workers 4x slower, Sync's efficiency from a quiet stay
+(0.09) predicted it at 4,500-4,700 QPS, where it trained at 17,600-18,100; the overhead stays
+about the same across such a window (`tf_gba.simulate.auto.stretched_qps`).
 
 A step's own time depends on the mode: a GBA step holds its parameter-server round trips, a Sync
 step not its all-reduce (here, with no compute floor, about 22 ms against 7.6 ms). So the other
@@ -155,13 +166,17 @@ class AutoPolicy:
 
   `base_step_s`: each mode's base step time as the job knows it (`stay_base_step_s` of its last
   stay; absent before one), from which the other mode's step times are predicted.
+  `overhead_s`: each mode's step overhead as the job knows it (`stay_overhead_s` of its last
+  stay; absent before one, and unused with efficiencies held), by which the other mode is
+  predicted once known.
   """
 
   def __init__(self, config: PolicyConfig, mode: str, local_batch_size: int,
                efficiency: Optional[Dict[str, float]] = None,
                costs: Sequence[float] = (), decided_unix: Optional[float] = None,
                probe: Optional[str] = None,
-               base_step_s: Optional[Dict[str, float]] = None):
+               base_step_s: Optional[Dict[str, float]] = None,
+               overhead_s: Optional[Dict[str, float]] = None):
     if mode not in MODES:
       raise ValueError(f"auto switches between {SYNC!r} and {GBA!r}, got {mode!r}.")
     self.config = config
@@ -175,6 +190,7 @@ class AutoPolicy:
       raise ValueError(f"probe is None, 'first' or 'second', got {probe!r}.")
     self.probe = probe
     self.base_step_s = {m: float(v) for m, v in (base_step_s or {}).items() if v}
+    self.overhead_s = {m: float(v) for m, v in (overhead_s or {}).items() if v is not None}
     self._agreeing = 0
     self.observations: List[dict] = []
     self._base_step = auto_sim.BaseStepSeconds()  # of the observations' per-worker step times
@@ -195,12 +211,13 @@ class AutoPolicy:
     return {"config": dataclasses.asdict(self.config), "mode": self.mode,
             "local_batch_size": self.local_batch_size, "efficiency": self.efficiency,
             "costs": self.costs, "decided_unix": self.decided_unix, "probe": self.probe,
-            "base_step_s": self.base_step_s}
+            "base_step_s": self.base_step_s, "overhead_s": self.overhead_s}
 
   @classmethod
   def from_dict(cls, d: dict) -> "AutoPolicy":
     return cls(PolicyConfig(**d["config"]), d["mode"], d["local_batch_size"], d["efficiency"],
-               d["costs"], d["decided_unix"], d.get("probe"), d.get("base_step_s"))
+               d["costs"], d["decided_unix"], d.get("probe"), d.get("base_step_s"),
+               d.get("overhead_s"))
 
   def wants_other_mode(self, gain: float) -> bool:
     if self.mode == SYNC:
@@ -212,6 +229,12 @@ class AutoPolicy:
     if not self.observations:
       return None
     return float(np.mean([o["efficiency"] for o in self.observations]))
+
+  def stay_overhead_s(self) -> Optional[float]:
+    """This stay's step overhead: the median of its observations' (None before any)."""
+    if not self.observations:
+      return None
+    return float(np.median([o["overhead_s"] for o in self.observations]))
 
   def stay_base_step_s(self) -> Optional[float]:
     """This stay's base step time: the median of its observations' fastest worker's step time
@@ -229,10 +252,13 @@ class AutoPolicy:
     # observation from here on), the other's from its last stay.
     self._base_step.add(per_worker)
     base = dict(self.base_step_s, **{self.mode: self._base_step.value()})
-    # Efficiencies held (not learned): the current mode too is its model QPS times its own.
+    # Efficiencies held (not learned): the current mode too is its model QPS times its own, and
+    # the other is predicted by its efficiency, never by an overhead.
+    learns = self.config.learn_efficiency
     e = auto_sim.expected_qps(times, self.local_batch_size, self.mode,
-                              measured_qps if self.config.learn_efficiency else None,
-                              self.efficiency, auto_sim.step_scale(base, self.mode))
+                              measured_qps if learns else None,
+                              self.efficiency, auto_sim.step_scale(base, self.mode),
+                              self.overhead_s if learns else None)
     model_qps, expected, gain = e["model"], e["expected"], e["gain"]
     saved_s = auto_sim.saved_seconds(expected, self.mode, self.config.horizon)
     wants, pays = self.wants_other_mode(gain), saved_s > self.switch_cost_s
@@ -240,12 +266,18 @@ class AutoPolicy:
     record = {"trained_s": float(trained_s), "mode": self.mode,
               "measured_qps": float(measured_qps),
               "efficiency": float(measured_qps) / model_qps[self.mode],
+              "overhead_s": auto_sim.step_overhead_seconds(per_worker, measured_qps,
+                                                           self.local_batch_size, self.mode),
               # The model's gain from the step times alone (what the simulator predicts).
               "predicted_gain": e["model_gain"],
               "predicted_sync_qps": model_qps[SYNC], "predicted_gba_qps": model_qps[GBA],
               "expected_sync_qps": expected[SYNC], "expected_gba_qps": expected[GBA],
               "expected_gain": gain,
               "other_efficiency": self.efficiency[self.other],
+              # How the other mode was predicted: "overhead" (at other_overhead_s) or
+              # "efficiency" (at other_efficiency).
+              "other_by": e["other_by"],
+              "other_overhead_s": self.overhead_s.get(self.other) if learns else None,
               # The other mode's step times as a multiple of these (1 before its first stay).
               "other_step_scale": e["scale"],
               "saved_s": saved_s, "switch_cost_s": self.switch_cost_s,
@@ -281,10 +313,17 @@ def describe(decision: dict) -> str:
   return (f"auto: switching {decision['from']} -> {decision['to']}: expected gain "
           f"{decision['expected_gain']:.2f} {op} {decision['threshold']:.2f} (GBA "
           f"{decision['expected_gba_qps']:,.0f} vs Sync {decision['expected_sync_qps']:,.0f} "
-          f"QPS; {decision['to']} at efficiency {decision['other_efficiency']:.2f} of its model "
+          f"QPS; {decision['to']} {_other_prediction(decision)} "
           f"on {decision['other_step_scale']:.2f}x these steps' times, "
           f"{decision['from']} measured at {decision['efficiency']:.2f}); saves "
           f"{decision['saved_s']:.1f} s over {decision['horizon_s']:g} s > switch cost "
           f"{decision['switch_cost_s']:.1f} s; model gain {decision['predicted_gain']:.2f}, "
           "per-worker step seconds "
           + " ".join(f"{x:.3f}" for x in decision["per_worker_step_seconds"]))
+
+
+def _other_prediction(decision: dict) -> str:
+  """How a decision predicted the other mode, for its log line."""
+  if decision.get("other_by") == "overhead":
+    return f"at its step overhead {decision['other_overhead_s'] * 1e3:.1f} ms"
+  return f"at efficiency {decision['other_efficiency']:.2f} of its model"

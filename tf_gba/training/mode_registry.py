@@ -258,7 +258,7 @@ register(Mode(
                      "auto_switch_cost_s", "auto_horizon_s", "auto_probe_s",
                      "auto_measure_s"},
     summary_fields=("final_mode", "train_seconds", "switches", "num_switches", "stays",
-                    "timeline", "policy", "efficiency", "switch_seconds")))
+                    "timeline", "policy", "efficiency", "overhead_s", "switch_seconds")))
 
 # ShadowSync and asynchronous SGD without gradient delay: embeddings on the parameter servers
 # (updated asynchronously), dense replicas trained on each worker (tf_gba/training/shadow_job.py).

@@ -490,6 +490,7 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None,
     result["auto"] = {"decision": decision, "observations": policy.observations,
                       "timeline": timeline, "skipped": policy.skipped,
                       "efficiency": policy.stay_efficiency(),
+                      "overhead_s": policy.stay_overhead_s(),
                       "base_step_s": policy.stay_base_step_s(), "started_unix": started_unix,
                       "restored_unix": restored_unix, "train_begin_unix": begin_unix,
                       # When this worker began its first step (tracing done; the op's clock).
