@@ -200,8 +200,10 @@ def define_flags() -> None:
                      "model QPS (N x batch / slowest step time) assumed before its first stay.")
   flags.DEFINE_float("auto_gba_efficiency", 1.0, "--mode=auto: GBA's measured QPS over its model "
                      "QPS (batch x sum of the workers' step rates) assumed before its first stay.")
-  flags.DEFINE_bool("auto_learn_efficiency", True, "--mode=auto: replace a mode's efficiency by "
-                    "the one measured in its last stay (off: the flags' values hold throughout).")
+  flags.DEFINE_bool("auto_learn_efficiency", True, "--mode=auto: once a mode has had a stay, "
+                    "predict it from what that stay measured (its step overhead beyond the "
+                    "workers' own step times) instead of the assumed efficiency (off: the flags' "
+                    "efficiencies hold throughout).")
   flags.DEFINE_float("auto_switch_cost_s", 15.0, "--mode=auto: seconds a switch costs, assumed "
                      "until one is measured (then the mean of the last two measured).")
   flags.DEFINE_float("auto_horizon_s", 60.0, "--mode=auto: a switch is taken when the time it "

@@ -77,7 +77,8 @@ class PolicyConfig:
   dwell_s: float = 20.0      # training seconds in a mode before it may be left
   confirm: int = 2           # consecutive observations that must agree
   # Each mode's measured QPS over its model QPS before its first stay, and whether each stay's
-  # measured efficiency replaces it (False: these values hold throughout).
+  # measurements (its efficiency and step overhead) replace it (False: these values hold
+  # throughout).
   sync_efficiency: float = 1.0
   gba_efficiency: float = 1.0
   learn_efficiency: bool = True

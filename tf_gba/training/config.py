@@ -126,8 +126,8 @@ class TrainConfig:
   auto_hysteresis: float = 0.15
   auto_dwell_s: float = 20.0
   auto_confirm: int = 2
-  # Each mode's measured / model QPS before its first stay (replaced by each stay's measured one
-  # unless auto_learn_efficiency is off); a switch's cost before one is measured; the time over
+  # Each mode's measured / model QPS before its first stay (after it, unless
+  # auto_learn_efficiency is off, the mode is predicted by its stay's measured step overhead); a switch's cost before one is measured; the time over
   # which a switch must pay for itself (at least auto_dwell_s).
   auto_sync_efficiency: float = 1.0
   auto_gba_efficiency: float = 1.0
