@@ -20,8 +20,9 @@ It prints the test RMSE next to that of the mean predictor (the training ratings
 default 10 passes over the training ratings (95 global steps) gave 0.996 and 1.001 in two runs
 against 1.131; the tutorial's 3 passes are not enough here (1.150). `--optimizer=adaptive_revision`
 trains the same model with AdaptiveRevision(alpha=0.1, g0=0.1), asynchronously (0.957 after 10
-passes; 0.959-0.966 in eight runs of 160 local batches, where the paper's G0 = 1 gave 1.041-1.142
-and learned little beyond the mean: its predictions spread 0.1-0.3 against Adagrad's 0.57).
+passes; 0.959-0.967 in eight runs of 160 local batches, where the paper's G0 = 1 gave 1.041-1.091
+in thirteen runs and 1.142 once, and learned little beyond the mean: its predictions spread
+0.1-0.3 against Adagrad's 0.57).
 """
 
 import argparse

@@ -164,7 +164,13 @@ def reference_decision(mode, times, measured_qps, efficiency, cost, horizon, ent
   t = np.asarray(times, np.float64)
   model = {"sync": len(t) * batch / t.max(), "gba": batch * np.sum(1.0 / t)}
   other = "gba" if mode == "sync" else "sync"
-  expected = {mode: measured_qps, other: model[other] * efficiency[other]}
+  return reference_rule(mode, {mode: measured_qps, other: model[other] * efficiency[other]},
+                        cost, horizon, enter, leave)
+
+
+def reference_rule(mode, expected, cost, horizon, enter, leave):
+  """The rule on both modes' expected QPS: (expected gain, time saved, whether it switches)."""
+  other = "gba" if mode == "sync" else "sync"
   gain = expected["gba"] / expected["sync"]
   saved = horizon * (expected[other] / expected[mode] - 1.0)
   wants = gain >= enter if mode == "sync" else gain < leave
@@ -770,7 +776,8 @@ def test_prediction_by_overhead_matches_numpy_reference():
     cost = rng.uniform(0.0, 30.0)
     policy = AutoPolicy(cfg, mode, 256, {}, [cost], base_step_s={other: other_base},
                         overhead_s={other: o})
-    # The running median of the fastest worker is this one observation's.
+    # An earlier observation of this stay, whose fastest worker took own_base: the base step
+    # time is then the median of it and this observation's fastest.
     policy._base_step.add([own_base] * n)  # pylint: disable=protected-access
     got = policy.observe(10.0, times, measured)
     record = policy.observations[-1]
@@ -778,10 +785,8 @@ def test_prediction_by_overhead_matches_numpy_reference():
     base_now = np.median([own_base, times.min()])
     t = times * other_base / base_now
     want = n * 256 / (t.max() + o) if other == "sync" else 256 * np.sum(1.0 / (t + o))
-    expected = {mode: measured, other: want}
-    gain = expected["gba"] / expected["sync"]
-    saved = 90.0 * (expected[other] / expected[mode] - 1.0)
-    wants = gain >= 1.2 if mode == "sync" else gain < 1.1
+    gain, saved, switch = reference_rule(mode, {mode: measured, other: want}, cost, 90.0, 1.2,
+                                         1.1)
     assert record[f"expected_{other}_qps"] == pytest.approx(want, rel=1e-12)
     assert record["expected_gain"] == pytest.approx(gain, rel=1e-12)
     assert record["saved_s"] == pytest.approx(saved, rel=1e-9, abs=1e-9)
@@ -789,7 +794,7 @@ def test_prediction_by_overhead_matches_numpy_reference():
     oo = record["overhead_s"]
     back = n * 256 / (times.max() + oo) if mode == "sync" else 256 * np.sum(1.0 / (times + oo))
     assert back == pytest.approx(measured, rel=1e-9)
-    assert (got is not None) == bool(wants and saved > cost)
+    assert (got is not None) == switch
     switched += got is not None
     stayed += got is None
   assert switched > 20 and stayed > 20  # both outcomes exercised

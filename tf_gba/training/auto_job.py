@@ -18,7 +18,8 @@ The summary is the last stay's (its evaluation, checkpoint, staleness) with `mod
 `steps`, `examples` and `wall_seconds` of the whole run (switches included), `switches` (each
 with the step it happened at, the modes, the model's and the expected gain, the time it was to
 save, its expected and measured cost and where that went, and the step times that caused it),
-`stays` (each with its measured efficiency and step overhead) and a `timeline` of (seconds, mode, QPS) for plotting.
+`stays` (each with its measured efficiency and step overhead) and a `timeline` of (seconds,
+mode, QPS) for plotting.
 
 Without a straggler profile the stays run the `timed` profile: every step timed, none slowed.
 """
