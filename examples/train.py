@@ -73,6 +73,11 @@ def define_flags() -> None:
                       "Checkpoints, summary.json and TensorBoard logs; restored from if present.")
   flags.DEFINE_integer("eval_every", 0, "Evaluate every N worker steps (0: at the end only).")
   flags.DEFINE_integer("log_every", 100, "Progress line every N worker steps.")
+  flags.DEFINE_integer("steps_per_execution", None,
+                       "Parameter-server modes: worker steps run by one function the coordinator "
+                       "schedules (each step its own batch, token and push); fewer functions cost "
+                       "the coordinator less CPU per step. Unset: 20, and 1 in hop_bs and hop_bw "
+                       "(their barriers refuse more).")
   flags.DEFINE_float("learning_rate", 0.001, "Adam learning rate (the same in every mode).")
   flags.DEFINE_integer("embedding_dim", 8, "Embedding width.")
   flags.DEFINE_enum("embedding", "vocab", ["vocab", "hash"],

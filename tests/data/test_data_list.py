@@ -56,9 +56,10 @@ def _rows(rows=ROWS):
   return {"id": ids}, (ids % 2).astype(np.float32)
 
 
-def _setup(tmp_path, cluster, input_mode, rows=ROWS, **config):
-  """GBA on the id model; `config` overrides TrainConfig fields (default steps: one pass of the
-  shared list, two passes of the static shards)."""
+def _setup(tmp_path, cluster, input_mode, rows=ROWS, steps_per_execution=1, **config):
+  """GBA on the id model, `steps_per_execution` worker steps per scheduled function; `config`
+  overrides TrainConfig fields (default steps: one pass of the shared list, two passes of the
+  static shards)."""
   fields = dict(mode="gba", num_workers=WORKERS, local_batch_size=BATCH, log_every=LOG_EVERY,
                 stragglers=STRAGGLERS, input=input_mode, model_dir=str(tmp_path),
                 steps=None if input_mode == "shared" else 2 * math.ceil(rows / BATCH))
@@ -68,15 +69,18 @@ def _setup(tmp_path, cluster, input_mode, rows=ROWS, **config):
   with strategy.scope():
     model = _IdModel(rows)
     optimizer = GBA(keras.optimizers.Adam(0.01), num_aggregate=WORKERS)
-    model.compile(optimizer, loss=keras.losses.BinaryCrossentropy())
+    model.compile(optimizer, loss=keras.losses.BinaryCrossentropy(),
+                  steps_per_execution=steps_per_execution)
     model(_rows(rows)[0])  # builds the variables (what fit would do lazily)
     optimizer.build(model.trainable_variables)
   return cfg, strategy, model, optimizer
 
 
 def test_each_batch_of_the_day_is_trained_once_and_the_slow_worker_takes_fewer(tmp_path):
+  """Four steps per scheduled function: at the end of the day a function's later reads find the
+  list empty after its first ones trained, and each is counted as what it was."""
   with LocalCluster(num_ps=1, num_workers=WORKERS, num_tfdata_workers=2) as cluster:
-    cfg, strategy, model, optimizer = _setup(tmp_path, cluster, "shared")
+    cfg, strategy, model, optimizer = _setup(tmp_path, cluster, "shared", steps_per_execution=4)
     shared = shared_input.SharedInput(cfg, strategy, cluster.tfdata_dispatcher, {},
                                       rows=_rows())
     shared.install_train_function(model)
@@ -109,26 +113,27 @@ def test_a_fixed_step_count_trains_a_batch_in_every_step(tmp_path):
   While a worker is held up (a 100 ms compute floor, a transient 4x delay after the push), its
   service client fetches the next batch; were the list only as long as the steps, the last steps
   would read it empty while batches taken ahead went untrained (and a GBA global step would be
-  left partial: 46 and 47 of 48 batches trained, measured).
+  left partial: 46 and 47 of 48 batches trained, measured). Five steps per scheduled function in
+  intervals of 12: each interval's last function runs the 2 steps left, so the count is exact.
   """
   rows = 16 * 48
   steps = rows // BATCH                      # 48 batches, 16 global steps of M = 3
   with LocalCluster(num_ps=1, num_workers=WORKERS, num_tfdata_workers=2) as cluster:
     cfg, strategy, model, optimizer = _setup(
         tmp_path, cluster, "shared", rows=rows, steps=steps, log_every=12,
-        stragglers="compute:100+transient:0.2:4")
+        stragglers="compute:100+transient:0.2:4", steps_per_execution=5)
     shared = shared_input.SharedInput(cfg, strategy, cluster.tfdata_dispatcher, {},
                                       rows=_rows(rows))
     shared.install_train_function(model)
-    assert "/job:ps/" in model._steps_per_execution.device  # pylint: disable=protected-access
     runner.fit_shared(model, optimizer, shared, steps // cfg.log_every)
     hits = model.hits.numpy()
     report = shared.report()
     global_step = int(optimizer.iterations.numpy())
-    # Keras' per-step read of its steps-per-execution counter stays in this process (no round
-    # trip to a parameter server per step), with its value.
+    # Keras' steps-per-execution counter, read for each function scheduled, lives in this
+    # process (GBAStrategy creates it here: no round trip to a parameter server), and has its
+    # value back after each interval's shorter last function.
     spe = model._steps_per_execution  # pylint: disable=protected-access
-    assert "/job:ps/" not in spe.device and int(spe.numpy()) == 1, spe.device
+    assert "/job:ps/" not in spe.device and int(spe.numpy()) == 5, spe.device
 
   # What the model itself counted: `steps` whole batches of rows.
   assert hits.sum() == steps * BATCH, (hits.sum(), report)

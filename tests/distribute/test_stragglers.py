@@ -154,7 +154,10 @@ def test_persistent_straggler_runs_a_third_as_many_steps_async():
       inp = keras.Input((3,), dtype=tf.int64)
       x = keras.layers.Flatten()(keras.layers.Embedding(1000, 8)(inp))
       model = keras.Model(inp, keras.layers.Dense(1, activation="sigmoid")(x))
-      model.compile(keras.optimizers.Adam(0.01), loss="binary_crossentropy")
+      # One step per scheduled function: each worker takes its steps one by one, so the step
+      # counts show the workers' speeds (functions of 20 would split 60 steps 20/20/20).
+      model.compile(keras.optimizers.Adam(0.01), loss="binary_crossentropy",
+                    steps_per_execution=1)
 
     def dataset_fn(_):
       ids = np.random.default_rng(0).integers(0, 1000, (4096, 3))
@@ -193,7 +196,9 @@ def _placement_run(placement: str, optimizer_fn, steps: int = 48, floor_s: float
       x = keras.layers.Flatten()(keras.layers.Embedding(1000, 8)(inp))
       model = keras.Model(inp, keras.layers.Dense(1, activation="sigmoid")(x))
       optimizer = optimizer_fn()
-      model.compile(optimizer, loss="binary_crossentropy")
+      # One step per scheduled function, as above: the staleness counts are of steps taken one
+      # by one as each worker is free.
+      model.compile(optimizer, loss="binary_crossentropy", steps_per_execution=1)
 
     def dataset_fn(_):
       ids = np.random.default_rng(0).integers(0, 1000, (4096, 3))

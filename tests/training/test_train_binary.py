@@ -85,7 +85,9 @@ def test_hop_bs_holds_fast_workers_behind_a_5x_slower_one(tmp_path):
   # On a 100 ms compute floor, so that the slowdown, not the machine's load, sets the pace.
   common = dict(num_workers=3, steps=60, log_every=30, stragglers="compute:100+persistent:5@0",
                 hop_bs_bound=1, local_batch_size=64)
-  free = _run(tmp_path / "gba", mode="gba", **common)
+  # One step per scheduled function in both (Hop-BS's own): the fast workers take steps one by
+  # one, not in functions of 20 that a 60-step run has too few of to share out.
+  free = _run(tmp_path / "gba", mode="gba", steps_per_execution=1, **common)
   held = _run(tmp_path / "hop_bs", mode="hop_bs", **common)
   free_steps = [w["steps"] for w in free["per_worker"]]
   held_steps = [w["steps"] for w in held["per_worker"]]

@@ -227,21 +227,29 @@ class DayCounters:
                                  per_worker_variable=True, name="data_list_exhausted")
 
   @autograph.framework_function
-  def record_step(self, has_value, batch_id, num_examples) -> tf.Operation:
-    """In the step, after it: counts a trained batch, or marks the worker as having seen the end.
+  def record_steps(self, batch_ids, num_examples) -> tf.Operation:
+    """After the steps of one scheduled function: counts the batches they trained, and marks the
+    worker as having seen the end if one of them read nothing.
 
-    Unconditional updates (zero where there is nothing to count): a per-worker variable is bound
-    to the worker running the step where the scheduled function captures it, which a cond
-    branch's captures are not.
+    Args:
+      batch_ids: int64 vector, one entry per step: the id of the batch it trained, or -1 for a
+        read that found the list exhausted.
+      num_examples: the examples the steps trained, together.
+
+    Outside any cond or loop: a per-worker variable is bound to the worker running the step where
+    the scheduled function captures it, which a cond branch's or loop body's captures are not.
     """
-    has = tf.cast(has_value, tf.int32)
-    batch_id = tf.cast(batch_id, tf.int64) % self.num_batches
+    batch_ids = tf.cast(batch_ids, tf.int64)
+    trained = batch_ids >= 0
+    ids = tf.where(trained, batch_ids % self.num_batches, tf.zeros_like(batch_ids))
+    # A dense add: per-worker variables take assign_add, not scatters.
+    counts = tf.math.unsorted_segment_sum(tf.cast(trained, tf.int32), ids, self.num_batches)
+    any_empty = tf.cast(tf.reduce_any(tf.logical_not(trained)), tf.int32)
     return tf.group(
-        # A dense add of a one-hot row: per-worker variables take assign_add, not scatters.
-        self.seen.assign_add(tf.one_hot(batch_id, self.num_batches, dtype=tf.int32) * has),
-        self.examples.assign_add(tf.cast(num_examples, tf.int64) * tf.cast(has, tf.int64)),
-        self.batches.assign_add(tf.cast(has, tf.int64)),
-        self.exhausted.assign(tf.maximum(self.exhausted.read_value(), 1 - has)))
+        self.seen.assign_add(counts),
+        self.examples.assign_add(tf.cast(num_examples, tf.int64)),
+        self.batches.assign_add(tf.reduce_sum(tf.cast(trained, tf.int64))),
+        self.exhausted.assign(tf.maximum(self.exhausted.read_value(), any_empty)))
 
   @staticmethod
   def read_each(var) -> List[Optional[np.ndarray]]:

@@ -30,6 +30,21 @@ from tf_gba.ops import gba_ops
 
 MODES = ("gba", "async", "bsp", "hop_bs", "hop_bw")
 DEFAULT_HOP_BS_BOUND = 2      # b1, the paper's default
+# Modes whose workers block at a barrier until other workers' steps let them go: they run one
+# step per scheduled function. A function of several steps holds the steps it has not run yet;
+# where every function is taken by a worker that waits, a slow worker has none to run and the
+# barrier never opens (a 3-worker Hop-BS run of 60 steps in functions of 20 and 10 hung so).
+BARRIER_MODES = ("hop_bs", "hop_bw")
+
+
+def check_steps_per_execution(mode: str, steps_per_execution: int, what: str) -> None:
+  """Refuses several steps per scheduled function in a barrier mode (BARRIER_MODES), naming
+  `what` set them."""
+  if mode in BARRIER_MODES and steps_per_execution != 1:
+    raise ValueError(
+        f"{what}={steps_per_execution} runs several worker steps per scheduled function, which "
+        f"mode {mode!r} cannot: its barrier would wait on steps held in a function no worker "
+        "can run. Use 1 (the default in this mode).")
 
 
 def default_bsp_aggregate(num_workers: int) -> int:

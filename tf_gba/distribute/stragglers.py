@@ -36,8 +36,9 @@ above the real compute time, throughput shows how each mode waits for slow worke
 
 import json
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tf_gba.common import autograph
@@ -177,14 +178,43 @@ def timed_step_end(start, profile: str, seed: int):
   return step_end(start, profile, seed)
 
 
+_ALL_WORKER_STATS = {}  # num_workers -> function reading every worker's counters at once
+
+
+def _read_all_worker_stats(num_workers: int) -> Optional[np.ndarray]:
+  """Every worker's counters as rows of one array, read by one function call (one round trip
+  per worker instead of two, all at once); None where a worker cannot be reached."""
+  read = _ALL_WORKER_STATS.get(num_workers)
+  if read is None:
+
+    @tf.function
+    def read():
+      rows = []
+      for i in range(num_workers):
+        with tf.device(WORKER_DEVICE.format(i)):
+          rows.append(_ops().gba_worker_step_stats())
+      return tf.stack(rows)
+
+    read = _ALL_WORKER_STATS[num_workers] = read
+  try:
+    return read().numpy()
+  except tf.errors.OpError:
+    return None
+
+
 def worker_step_stats(num_workers: int) -> List[dict]:
   """Reads each worker process's step counters (eagerly, from the coordinator)."""
   out = []
+  together = _read_all_worker_stats(num_workers)
   for i in range(num_workers):
     try:
-      with tf.device(WORKER_DEVICE.format(i)):
-        stats = [int(x) for x in _ops().gba_worker_step_stats().numpy()]
-        steps, busy, delay, first = stats[:4]
+      if together is not None:
+        stats = [int(x) for x in together[i]]
+      else:
+        # Worker by worker: a restarted one fails alone.
+        with tf.device(WORKER_DEVICE.format(i)):
+          stats = [int(x) for x in _ops().gba_worker_step_stats().numpy()]
+      steps, busy, delay, first = stats[:4]
     except tf.errors.OpError:
       # A worker restarted after its process died is not a device of this eager context any
       # more (the training closures reach it through the coordinator), and the dead process's

@@ -25,6 +25,7 @@ from tf_gba.common import arguments
 from tf_gba.common import autograph
 from tf_gba.distribute import modes as modes_lib
 from tf_gba.distribute import step_context
+from tf_gba.distribute import steps_per_execution as steps_per_execution_lib
 from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.ops import gba_ops
 from tf_gba.ops import loader
@@ -68,6 +69,11 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
       blocked this long goes on anyway (counted).
     hop_bw_backup: b3 of "hop_bw": backup workers, i.e. each step takes the first N - b3
       gradients of the current version; default max(1, round(N / 5)).
+    steps_per_execution: worker steps of one function that `model.fit` schedules, where
+      `compile()` was given no `steps_per_execution` (default 20; 1 in "hop_bs" and "hop_bw",
+      whose barriers refuse more): the coordinator's cost is per function (see
+      `tf_gba.distribute.steps_per_execution`). Each step reads its own batch, takes its own token
+      and pushes its own gradient.
 
   The barriers of "hop_bs" and "hop_bw" block workers; at each `join()` of the coordinator (the
   end of `fit`, a checkpoint; a plain `fit` joins at every epoch's end) the workers still blocked
@@ -80,7 +86,8 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
                hop_bs_bound: int = modes_lib.DEFAULT_HOP_BS_BOUND,
                hop_bs_timeout_s: Optional[float] = None,
                hop_bw_backup: Optional[int] = None,
-               straggler_delay: str = stragglers_lib.AFTER_PUSH):
+               straggler_delay: str = stragglers_lib.AFTER_PUSH,
+               steps_per_execution: int = steps_per_execution_lib.DEFAULT):
     if not callable(getattr(cluster_resolver, "cluster_spec", None)):
       raise TypeError(f"GBAStrategy needs a cluster resolver (e.g. LocalCluster(...).resolver() "
                       f"or tf.distribute.cluster_resolver.TFConfigClusterResolver()), got "
@@ -91,6 +98,11 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
       num_aggregate = arguments.integer("num_aggregate", num_aggregate, minimum=1,
                                         owner="GBAStrategy")
     straggler_seed = arguments.integer("straggler_seed", straggler_seed, owner="GBAStrategy")
+    steps_per_execution = arguments.integer("steps_per_execution", steps_per_execution,
+                                            minimum=1, owner="GBAStrategy")
+    if steps_per_execution != steps_per_execution_lib.DEFAULT:
+      modes_lib.check_steps_per_execution(mode, steps_per_execution,
+                                          "GBAStrategy(steps_per_execution)")
     hop_bs_bound = arguments.integer("hop_bs_bound", hop_bs_bound, minimum=0, owner="GBAStrategy")
     if hop_bs_timeout_s is not None:
       arguments.number("hop_bs_timeout_s", hop_bs_timeout_s, minimum=0.0, inclusive=False,
@@ -118,6 +130,15 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     # in a user's script once).
     loader.load_all()
     super().__init__(cluster_resolver, variable_partitioner)
+    # Keras' steps-per-execution counter: here, not on a parameter server, and k by default
+    # (1 in the barrier modes, which refuse more).
+    if mode in modes_lib.BARRIER_MODES:
+      steps_per_execution = 1
+    self.extended._create_variable = steps_per_execution_lib.counter_creator(  # pylint: disable=protected-access
+        self.extended._create_variable, steps_per_execution,  # pylint: disable=protected-access
+        lambda value: modes_lib.check_steps_per_execution(
+            mode, value, "compile(steps_per_execution)"))
+    self._gba_steps_per_execution = steps_per_execution
     self._gba_mode = mode
     self._gba_num_workers = num_workers
     self._gba_num_ps = len(spec.job_tasks("ps"))

@@ -5,6 +5,7 @@ import math
 from typing import Optional
 
 from tf_gba.distribute import modes as modes_lib
+from tf_gba.distribute import steps_per_execution as steps_per_execution_lib
 from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.ops import gba_ops
 from tf_gba.training import mode_registry
@@ -55,6 +56,9 @@ class TrainConfig:
   model_dir: str = "/tmp/tf_gba_train"
   eval_every: int = 0
   log_every: int = 100
+  # Parameter-server modes: worker steps per scheduled function (None: the mode's default,
+  # `scheduled_steps`).
+  steps_per_execution: Optional[int] = None
   learning_rate: float = 0.001
   embedding_dim: int = 8
   # "vocab" or "hash" (EMBEDDINGS): see examples/train.py --embedding.
@@ -237,7 +241,7 @@ class TrainConfig:
     if not self.cluster_wait_s > 0:
       raise ValueError(f"--cluster_wait_s must be > 0, got {self.cluster_wait_s}.")
     for name in ("num_ps", "num_workers", "local_batch_size", "steps", "log_every",
-                 "embedding_dim"):
+                 "embedding_dim", "steps_per_execution"):
       if getattr(self, name) is not None and getattr(self, name) < 1:
         raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
     if self.eval_every < 0:
@@ -290,6 +294,9 @@ class TrainConfig:
             "M = global / local of local batches per step. Pick sizes that divide.")
     modes_lib.check_parameters(self.mode, self.num_workers, self.bsp_aggregate, self.hop_bs_bound,
                                self.hop_bs_timeout_s, self.hop_bw_backup, prefix="--")
+    if self.steps_per_execution is not None:
+      modes_lib.check_steps_per_execution(self.mode, self.steps_per_execution,
+                                          "--steps_per_execution")
     stragglers_lib.parse(self.stragglers)  # raises with a message on a bad profile
     missing = sorted(w for w in stragglers_lib.named_workers(self.stragglers)
                      if w < 0 or w >= self.num_workers)
@@ -367,6 +374,16 @@ class TrainConfig:
                 if self.checkpoint_every_steps else "")
              + f"); pass a multiple of {interval} to train exactly that")
     return f"--steps={self.steps} trains {trained} worker steps: {why}."
+
+  @property
+  def scheduled_steps(self) -> int:
+    """Worker steps per function the coordinator schedules (--steps_per_execution): the flag, else
+    GBAStrategy's default for the mode (1 where a barrier waits on other workers' steps)."""
+    if self.steps_per_execution is not None:
+      return self.steps_per_execution
+    if self.strategy_mode in modes_lib.BARRIER_MODES:
+      return 1
+    return steps_per_execution_lib.DEFAULT
 
   @property
   def strategy_mode(self) -> str:

@@ -181,7 +181,7 @@ _COMMON = frozenset({"stragglers", "straggler_seed", "checkpoint_every_steps",
                      "checkpoint_every_secs", "keep_checkpoints", "eval_day"})
 PS_FLAGS = _COMMON | {"input", "tfdata_workers", "tfdata_dispatcher", "stall_timeout_s",
                       "sparse_normalize", "max_restarts", "straggler_delay",
-                      "full_checkpoint_every"}
+                      "full_checkpoint_every", "steps_per_execution"}
 _HOP_SUMMARY = ("blocked_seconds", "max_lead", "ignored_gradients")
 _PS_RUN = lazy("tf_gba.training.runner:run_parameter_server")
 
@@ -256,7 +256,7 @@ register(Mode(
     flags=_COMMON | {"auto_margin", "auto_hysteresis", "auto_dwell_s", "auto_confirm",
                      "auto_sync_efficiency", "auto_gba_efficiency", "auto_learn_efficiency",
                      "auto_switch_cost_s", "auto_horizon_s", "auto_probe_s",
-                     "auto_measure_s"},
+                     "auto_measure_s", "steps_per_execution"},
     summary_fields=("final_mode", "train_seconds", "switches", "num_switches", "stays",
                     "timeline", "policy", "efficiency", "overhead_s", "switch_seconds")))
 

@@ -29,6 +29,7 @@ from tf_gba.ops import worker_clock
 from tf_gba.optimizers import GBA
 from tf_gba.common import interrupt
 from tf_gba.common import metrics
+from tf_gba.common import scalars as scalars_lib
 from tf_gba.training import config as config_lib
 from tf_gba.training import delta_checkpoints
 from tf_gba.training import export as export_lib
@@ -154,29 +155,27 @@ class _Progress(keras.callbacks.Callback):
     _log(f"step {steps}/{job.total_steps}  global step {stats['global_step']}  "
          f"loss {loss:.4f}  QPS {qps:,.0f}  staleness mean {dense.get('mean_staleness', 0):.2f} "
          f"max {dense.get('staleness_max', 0)}  dropped batches {dense.get('dropped', 0)}")
-    with job.writer.as_default(step=steps):
-      tf.summary.scalar("train/loss", loss)
-      tf.summary.scalar("train/global_qps", qps)
-      tf.summary.scalar("gba/mean_staleness", dense.get("mean_staleness", 0.0))
-      tf.summary.scalar("gba/max_staleness", dense.get("staleness_max", 0))
-      tf.summary.scalar("gba/dropped_batches", dense.get("dropped", 0))
-      if job.config.mode == "hop_bw":
-        tf.summary.scalar("hop_bw/ignored_gradients", dense.get("dropped", 0))
-      hop_bs = job.strategy.hop_bs_stats()
-      if hop_bs:
-        tf.summary.scalar("hop_bs/max_lead", hop_bs["max_lead"])
-        for i, blocked in enumerate(hop_bs["blocked_seconds"]):
-          tf.summary.scalar(f"hop_bs/blocked_seconds_{i}", blocked)
-      for w in workers:
-        tf.summary.scalar(f"workers/qps_{w['worker']}",
-                          w["steps"] * job.config.local_batch_size / max(elapsed, 1e-9))
-      if job.config.eval_every and steps - self._last_eval >= job.config.eval_every:
-        self._last_eval = steps
-        result = job.evaluate()
-        tf.summary.scalar("eval/auc", result["auc"])
-        tf.summary.scalar("eval/logloss", result["logloss"])
-        _log(f"  eval at step {steps}: AUC {result['auc']:.4f}  logloss {result['logloss']:.4f}")
-    job.writer.flush()
+    scalars = {"train/loss": loss, "train/global_qps": qps,
+               "gba/mean_staleness": dense.get("mean_staleness", 0.0),
+               "gba/max_staleness": dense.get("staleness_max", 0),
+               "gba/dropped_batches": dense.get("dropped", 0)}
+    if job.config.mode == "hop_bw":
+      scalars["hop_bw/ignored_gradients"] = dense.get("dropped", 0)
+    hop_bs = job.strategy.hop_bs_stats()
+    if hop_bs:
+      scalars["hop_bs/max_lead"] = hop_bs["max_lead"]
+      for i, blocked in enumerate(hop_bs["blocked_seconds"]):
+        scalars[f"hop_bs/blocked_seconds_{i}"] = blocked
+    for w in workers:
+      scalars[f"workers/qps_{w['worker']}"] = (
+          w["steps"] * job.config.local_batch_size / max(elapsed, 1e-9))
+    if job.config.eval_every and steps - self._last_eval >= job.config.eval_every:
+      self._last_eval = steps
+      result = job.evaluate()
+      scalars["eval/auc"] = result["auc"]
+      scalars["eval/logloss"] = result["logloss"]
+      _log(f"  eval at step {steps}: AUC {result['auc']:.4f}  logloss {result['logloss']:.4f}")
+    job.writer.write(steps, scalars)
 
 
 def epoch_steps(config: TrainConfig) -> int:
@@ -248,7 +247,10 @@ class _Job:
         self.optimizer = GBA(inner, num_aggregate=config.num_aggregate,
                              staleness_threshold=config.staleness_threshold,
                              sparse_normalize=config.sparse_normalize)
-      self.model.compile(self.optimizer, loss=keras.losses.BinaryCrossentropy())
+      # k worker steps per scheduled function (--steps_per_execution): the coordinator's cost
+      # is per function.
+      self.model.compile(self.optimizer, loss=keras.losses.BinaryCrossentropy(),
+                         steps_per_execution=config.scheduled_steps)
       # Slots before restoring (a deferred restore of sharded slots cannot run on the PS), and
       # under the scope, so optimizers that read state before each step can register with it.
       self.optimizer.build(self.model.trainable_variables)
@@ -283,7 +285,7 @@ class _Job:
     except resharding.CheckpointMismatchError as e:
       raise preflight.InputError(preflight.restore_mismatch_message(config, e)) from None
     self.straggler_position = self._track_straggler_position(strategy)
-    self.writer = tf.summary.create_file_writer(os.path.join(config.model_dir, "tensorboard"))
+    self.writer = scalars_lib.ScalarWriter(os.path.join(config.model_dir, "tensorboard"))
     self._eval_model = None
     self._eval_data = None
     self.shared_input = None  # the shared data list (--input=shared), set up by run()
@@ -653,10 +655,8 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
         "worker_restarts": cluster.restarts["worker"] if cluster is not None else 0,
         "tfdata_worker_restarts": (cluster.restarts["tfdata_worker"] if cluster is not None
                                    else 0)})
-    with job.writer.as_default(step=epochs * epoch_steps(config)):
-      tf.summary.scalar("eval/auc", evaluation["auc"])
-      tf.summary.scalar("eval/logloss", evaluation["logloss"])
-    job.writer.flush()
+    job.writer.write(epochs * epoch_steps(config),
+                     {"eval/auc": evaluation["auc"], "eval/logloss": evaluation["logloss"]})
     summary_lib.write(config.model_dir, summary)
     summary_lib.print_summary(summary)
     return summary
@@ -705,7 +705,6 @@ def _fit(model, strategy, data, epochs: int, steps_per_epoch: int, callbacks=(),
   step it scheduled has finished. `job`: the run's `_Job`, whose checkpoints wait for the steps
   running (`_Job.save_checkpoint`)."""
   coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-  _steps_per_execution_on_the_coordinator(model)
   with pipelining.Pipeline(model, coordinator, spare=strategy.num_workers) as pipeline:
     if job is not None:
       job.pipeline = pipeline
@@ -718,21 +717,6 @@ def _fit(model, strategy, data, epochs: int, steps_per_epoch: int, callbacks=(),
       if job is not None:
         job.pipeline = None
   return history
-
-
-def _steps_per_execution_on_the_coordinator(model) -> None:
-  """Moves the model's steps-per-execution counter from a parameter server to this process.
-
-  Keras reads it once per step in `fit`'s loop (DataHandler.steps); `compile` creates it under
-  the strategy's scope, so it lives on a parameter server and every step paid a round trip to
-  it: about half of the coordinator's CPU time in `fit` (py-spy, a 2-worker GBA run), and a read
-  the server had to serve. Keras does not track it (it is in no checkpoint) and schedules its
-  value with a step where it is more than 1, so a variable here with the same value serves.
-  """
-  current = getattr(model, "_steps_per_execution", None)
-  if current is None or tf.distribute.has_strategy():
-    return  # not compiled yet; or under a scope, where a new variable would go to a server
-  model._configure_steps_per_execution(int(current.numpy()))  # pylint: disable=protected-access
 
 
 def fit_shared(model, optimizer, shared, epochs: int, callbacks=(), steps_per_epoch=None,

@@ -160,13 +160,19 @@ class SharedInput:
 
   # ---- the train step ----------------------------------------------------------------------------
   def install_train_function(self, model) -> None:
-    """Makes `model.fit` use the shared-list step (see the module docstring)."""
-    from tf_keras.src.engine import training as keras_training  # pylint: disable=g-import-not-at-top
-    strategy, counters, shared = self.strategy, self.counters, self
+    """Makes `model.fit` use the shared-list step (see the module docstring).
 
-    def step(iterator):
+    One scheduled function runs the model's steps-per-execution steps (Keras' counter, read on
+    the coordinator when the function is scheduled, as Keras does: the last function of an epoch
+    runs what is left of it), each reading its own batch, taking its own token and pushing its
+    own gradient; the counts of all its steps are recorded once, after them.
+    """
+    from tf_keras.src.engine import training as keras_training  # pylint: disable=g-import-not-at-top
+    strategy, counters = self.strategy, self.counters
+
+    def one_step(iterator):
+      """One read: (outputs, batch id or -1, examples trained)."""
       optional = iterator.get_next_as_optional()
-      has_value = optional.has_value()
 
       def trained():
         features, labels, batch_id = optional.get_value()
@@ -179,24 +185,37 @@ class SharedInput:
 
         outputs = strategy.run(run_step, args=((features, labels),))
         with tf.control_dependencies(tf.nest.flatten(outputs)):
-          return outputs, tf.identity(batch_id), tf.size(labels, out_type=tf.int64)
+          return (outputs, tf.cast(tf.identity(batch_id), tf.int64),
+                  tf.size(labels, out_type=tf.int64))
 
       def exhausted():
         return (tf.nest.map_structure(tf.identity, model.get_metrics_result()),
-                tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+                tf.constant(-1, tf.int64), tf.constant(0, tf.int64))
 
-      outputs, batch_id, size = tf.cond(has_value, trained, exhausted)
-      # Counted outside the cond, once the step (its push included) is done: per-worker
-      # variables are bound to their worker where the scheduled function captures them, which a
-      # cond branch's captures are not.
-      recorded = counters.record_step(has_value, batch_id, size)
+      return tf.cond(optional.has_value(), trained, exhausted)
+
+    def steps(iterator, num_steps):
+      num_steps = tf.cast(num_steps, tf.int32)
+      # The first step outside the loop: its outputs (the model's metrics, built by the first
+      # train step) give the loop's outputs their structure. Keras schedules >= 1 step.
+      outputs, batch_id, examples = one_step(iterator)
+      batch_ids = tf.TensorArray(tf.int64, size=num_steps).write(0, batch_id)
+      # One after another: each step's push is done before the next step reads.
+      for i in tf.range(1, num_steps):
+        outputs, batch_id, size = one_step(iterator)
+        batch_ids = batch_ids.write(i, batch_id)
+        examples += size
+      recorded = counters.record_steps(batch_ids.stack(), examples)
       with tf.control_dependencies([recorded]):
         return tf.nest.map_structure(tf.identity, outputs)
 
-    function = tf.function(step, reduce_retracing=True)
+    function = tf.function(steps, reduce_retracing=True)
 
     def schedule(iterator):
-      value = self.coordinator.schedule(function, args=(iterator,))
+      num_steps = model._steps_per_execution  # pylint: disable=protected-access
+      value = self.coordinator.schedule(
+          function, args=(iterator, num_steps.value() if num_steps is not None else
+                          tf.constant(1, tf.int64)))
       with self._lock:
         self._pending.append(value)
       return value
@@ -217,6 +236,12 @@ class SharedInput:
     class _EndOfList(keras.callbacks.Callback):
 
       def on_epoch_end(self, epoch, logs=None):
+        # Each step reads one entry of the list: no worker can have seen its end before as many
+        # steps as it has entries were scheduled, so the workers' flags (a round trip to each)
+        # are read only from then on. (A step run again after a worker failure reads again: the
+        # end is then seen later, never missed.)
+        if (epoch + 1) * self.params["steps"] < len(shared.list.batch_order):
+          return
         exhausted = shared.counters.exhausted_each()
         if all(exhausted):
           self.model.stop_training = True
