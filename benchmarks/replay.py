@@ -35,9 +35,11 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 from benchmarks import switching  # pylint: disable=g-bad-import-order
 from benchmarks.simulate import profile_string  # pylint: disable=g-bad-import-order
+from tf_gba.training import mode_registry  # pylint: disable=g-bad-import-order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = ("sync", "gba", "async", "bsp", "hop_bs", "hop_bw")
+# The modes replay reproduces (training/mode_registry.py: `replayed`), all run by default.
+MODES = mode_registry.replayed_modes()
 
 
 def _sim_config(args, n: int, seed: int, day: int, steps: int, local_batch: int):
