@@ -1,8 +1,10 @@
 """Benchmarks of tf_gba, each run as `python -m benchmarks.<name>` (see the README)."""
 
+import argparse
 import os
 import sys
 import tempfile
+from typing import NoReturn
 
 # TensorFlow's start-up notices (CPU features, oneDNN, no CUDA driver) are not results: keep them
 # off the terminal unless the user asked for TF's log level, as the training binary does.
@@ -31,3 +33,22 @@ def _quiet_native_stderr() -> None:
 
 
 _quiet_native_stderr()
+
+
+def refuse(program: str, message: str) -> NoReturn:
+  """A flag or protocol that cannot give a meaningful result, refused as the training binary
+  refuses its input: one line on stderr ("<program>: error: <message>", the message naming the
+  flag that fixes it) and exit code 2, before anything runs."""
+  print(f"{program}: error: {message}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse whose errors are `refuse`'s one line (no usage block: --help shows it)."""
+
+  def __init__(self, *args, program: str, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.program = program
+
+  def error(self, message: str) -> NoReturn:
+    refuse(self.program, message)

@@ -475,10 +475,6 @@ def main(argv: Sequence[str]) -> None:
   # Every pass builds fresh variables and so traces its loop anew, by design; TF would warn
   # about "excessive retracing" on each of them.
   tf.get_logger().setLevel("ERROR")
-  # The simulation is one long chain of tiny ops: thread pools only add hand-offs (and load on a
-  # shared machine).
-  tf.config.threading.set_inter_op_parallelism_threads(1)
-  tf.config.threading.set_intra_op_parallelism_threads(1)
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   try:
@@ -498,6 +494,11 @@ def main(argv: Sequence[str]) -> None:
   if f.dry_run:
     print("benchmarks.adaptive_revision_delay: dry run: flags valid; nothing run.")
     return
+  # The simulation is one long chain of tiny ops: thread pools only add hand-offs (and load on a
+  # shared machine). Not in a dry run, which configures nothing (and, in a process that has run
+  # TensorFlow ops already, could not).
+  tf.config.threading.set_inter_op_parallelism_threads(1)
+  tf.config.threading.set_intra_op_parallelism_threads(1)
   run(config)
 
 

@@ -18,7 +18,10 @@ drops: the real buffers' counters).
 
 `--num_workers` takes a comma-separated list (the N curve). `--global_batch_size=G` keeps the
 synchronous global batch across N (local batch G / N, the paper's shape); otherwise every N runs
-`--local_batch_size`.
+`--local_batch_size`. A protocol whose results cannot mean anything (at some N, a day of fewer
+than `switching.MIN_GLOBAL_STEPS` global steps, or a global batch larger than a `--steps_per_day`
+day; a local batch below 1) is refused before anything is replayed, in one line on stderr that
+names the `--global_batch_size` that fits, with exit code 2 (`--dry_run` checks it too).
 """
 
 import argparse
@@ -33,11 +36,15 @@ from typing import Dict, List, Optional, Sequence
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
+import benchmarks  # pylint: disable=g-bad-import-order
 from benchmarks import switching  # pylint: disable=g-bad-import-order
 from benchmarks.simulate import profile_string  # pylint: disable=g-bad-import-order
+from tf_gba.training import mode_registry  # pylint: disable=g-bad-import-order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = ("sync", "gba", "async", "bsp", "hop_bs", "hop_bw")
+PROGRAM = "benchmarks.replay"
+# The modes replay reproduces (training/mode_registry.py: `replayed`), all run by default.
+MODES = mode_registry.replayed_modes()
 
 
 def _sim_config(args, n: int, seed: int, day: int, steps: int, local_batch: int):
@@ -205,7 +212,7 @@ def single_worker_seconds(chains: Chains, seed: int, day: int, steps: int) -> fl
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = benchmarks.ArgumentParser(description=__doc__.splitlines()[0], program=PROGRAM)
   p.add_argument("--num_workers", default="8", help="comma-separated cluster sizes")
   p.add_argument("--num_ps", type=int, default=1)
   p.add_argument("--modes", default=",".join(MODES))
@@ -261,7 +268,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.error(f"--steps_per_day must be >= 0, got {args.steps_per_day}")
   if min(args.sizes) < 2 or args.seeds < 1 or args.base_days < 1:
     p.error("need --num_workers >= 2, --seeds >= 1 and --base_days >= 1")
+  if args.global_batch_size is None and args.local_batch_size < 1:
+    p.error(f"--local_batch_size must be >= 1, got {args.local_batch_size}.")
   for n in args.sizes:
+    if args.global_batch_size is not None and args.global_batch_size < n:
+      p.error(f"--global_batch_size={args.global_batch_size} is a local batch below 1 at N={n}: "
+              f"pass a multiple of every N, at least {max(args.sizes)}.")
     if args.global_batch_size and args.global_batch_size % n:
       p.error(f"--global_batch_size={args.global_batch_size} is not a multiple of N={n}.")
   try:
@@ -280,11 +292,33 @@ def make_protocol(args, n: int, local_batch: int):
       input="shared"))
 
 
-def run_size(args, n: int) -> dict:
+def local_batch_of(args, n: int) -> int:
+  return args.global_batch_size // n if args.global_batch_size else args.local_batch_size
+
+
+def check_protocol(args, protocol, n: int) -> None:
+  """Refuses (one line, exit 2) a day too short for N = n workers (switching.short_day), naming
+  the --global_batch_size that fixes it."""
+  local_batch = local_batch_of(args, n)
+  short = switching.short_day(protocol.train_rows, n, local_batch, args.steps_per_day)
+  if not short:
+    return
+  why, largest = short
+  multiple = math.lcm(*args.sizes)
+  fit = largest // multiple * multiple  # a global batch that every N divides
+  if fit:
+    every = f"a multiple of {multiple}, " if len(args.sizes) > 1 else ""
+    fix = (f"--global_batch_size={fit} or less ({every}local batch {fit // n} at N={n}), or "
+           "fewer --num_workers")
+  else:
+    fix = f"fewer --num_workers or {switching.LONGER_DAYS}"
+  benchmarks.refuse(PROGRAM, f"N={n}: {why}; pass {fix}.")
+
+
+def run_size(args, n: int, protocol) -> dict:
   """Every seed's chains at N = n; the switching benchmark's results dict."""
   started = time.time()
-  local_batch = args.global_batch_size // n if args.global_batch_size else args.local_batch_size
-  protocol = make_protocol(args, n, local_batch)
+  local_batch = local_batch_of(args, n)
   modes, seeds = args.modes_list, list(range(args.seeds))
   chains = Chains(args, protocol, n, local_batch)
   print(f"replay: N={n}, local batch {local_batch}, {day_steps(protocol, 'gba', n)} worker "
@@ -323,15 +357,23 @@ def run_size(args, n: int) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[int, dict]:
   args = parse_args(argv)
+  # Every N's protocol before anything is replayed: a day too short for one of them is refused.
+  protocols = {}
+  for n in args.sizes:
+    try:
+      protocols[n] = make_protocol(args, n, local_batch_of(args, n))
+    except ValueError as e:  # a bad data spec or --days: the message says which
+      benchmarks.refuse(PROGRAM, str(e))
+    check_protocol(args, protocols[n], n)
   if args.dry_run:
-    print(f"benchmarks.replay: dry run: flags valid ({len(args.sizes)} cluster sizes x "
+    print(f"benchmarks.replay: dry run: flags and days valid ({len(args.sizes)} cluster sizes x "
           f"{len(args.modes_list)} modes); nothing replayed.")
     return {}
   out = {}
   for n in args.sizes:
     try:
-      results = run_size(args, n)
-    except ValueError as e:  # a bad data spec or protocol: the message says which
+      results = run_size(args, n, protocols[n])
+    except ValueError as e:  # a fault found while replaying: the message says which
       sys.exit(f"benchmarks.replay: {e}")
     folder = os.path.join(args.out, f"N{n}")
     paths = switching.write(results, folder)

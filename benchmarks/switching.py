@@ -33,6 +33,10 @@ Protocol (SPEC section 1, "Switching" and "What the paper measures"):
   for `steps_per_day` worker steps).
 * Seeds vary the model initialisation, the input order and the straggler draws; the data stays
   the same. Tables give mean +- sample std over seeds; differences are paired per seed.
+* A day too short for the workers is refused before any run starts (`short_day`): one pass over
+  a day must take at least MIN_GLOBAL_STEPS global steps of num_workers x local batch, a
+  `--steps_per_day` day must hold one global batch of rows. One line on stderr names the
+  `--local_batch_size` that fits; exit code 2.
 
 QPS (Table 5.2) is each "sync -> mode" run's global QPS, measured by the runner after the first
 of four logging intervals (start-up and tracing excluded), averaged over the days of a seed.
@@ -82,6 +86,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+import benchmarks  # pylint: disable=g-bad-import-order
 # The straggler profiles by name, shared with the QPS benchmark ("dedicated": the transient
 # profile on a 100 ms compute floor per step).
 from benchmarks.mode_qps import PROFILES  # pylint: disable=g-bad-import-order
@@ -110,6 +115,13 @@ DAY_SOURCES = ("synthetic", "movielens100k", "criteo")
 SYNTHETIC_OPTIONS = "num_examples=32768,drift=0.1"
 # Logging intervals per run: the runner measures QPS after the first one.
 INTERVALS = 4
+# The fewest global steps (of Sync's global batch, num_workers x local batch) a day may take when
+# it is one pass over its train rows. Below it a day ends before the model has learnt what the
+# next day's AUC could tell apart: at N = 128 and local batch 256, the default synthetic day of
+# 32,768 rows is one global step and replay's next-day AUC was 0.45-0.48, below chance. The floor
+# of --steps_per_day's rounding (INTERVALS x num_workers worker steps), so a day is never shorter
+# however its length is set.
+MIN_GLOBAL_STEPS = INTERVALS
 DIRECTIONS = ("from_sync", "to_sync")
 TITLES = {"from_sync": "sync -> mode (base trained with sync, then each mode; Table 6.4)",
           "to_sync": "mode -> sync (base trained in each mode, then sync; Table 6.8)"}
@@ -204,6 +216,36 @@ def make_protocol(args: argparse.Namespace) -> Protocol:
                   eval_days=evals, next_day=num_days > 1, train_rows=train_rows,
                   eval_examples=eval_examples, steps_per_day=steps, pass_steps=pass_steps,
                   one_pass_batches=one_pass if _one_pass_days(args) else 0)
+
+
+def short_day(train_rows: int, num_workers: int, local_batch: int,
+              steps_per_day: int) -> Optional[Tuple[str, int]]:
+  """Why a day of `train_rows` rows cannot give a meaningful next-day AUC at num_workers x
+  local_batch, and the largest global batch that can; None when it can.
+
+  A day that is one pass over its rows (no --steps_per_day) must take MIN_GLOBAL_STEPS global
+  steps; a day of --steps_per_day worker steps (at least that many global steps by its rounding)
+  must hold one global batch, or every global step trains the day's rows more than once.
+  """
+  global_batch = num_workers * local_batch
+  need = global_batch if steps_per_day else MIN_GLOBAL_STEPS * global_batch
+  if train_rows >= need:
+    return None
+  shape = f"{num_workers} workers x local batch {local_batch} = {global_batch:,}"
+  if steps_per_day:
+    why = (f"a global batch of {shape} examples is larger than a day's {train_rows:,} train "
+           "rows: every global step would train the day more than once")
+  else:
+    steps = train_rows / global_batch
+    why = (f"a day of {train_rows:,} train rows is {steps:.2g} global step"
+           f"{'' if steps == 1 else 's'} of {shape} examples, fewer than {MIN_GLOBAL_STEPS}: its "
+           "next-day AUC cannot mean anything")
+  return why, train_rows if steps_per_day else train_rows // MIN_GLOBAL_STEPS
+
+
+# Where a day too short for the workers is lengthened (`short_day`'s refusal).
+LONGER_DAYS = ("longer days (--data_options=num_examples=... for synthetic data, fewer --days for "
+               "the others)")
 
 
 def _day_text(p: dict, local_batch: int) -> str:
@@ -803,7 +845,8 @@ def plot_staleness(results: dict, path: str) -> None:
 # Command line.
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = benchmarks.ArgumentParser(description=__doc__.splitlines()[0],
+                                program="benchmarks.switching")
   p.add_argument("--data", default="synthetic",
                  help="'synthetic', 'movielens100k:<dir>' or 'criteo:<file or dir>' (pseudo-days)")
   p.add_argument("--data_options", default=None,
@@ -866,6 +909,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             f"{args.modes!r}")
   if args.seeds < 1 or args.base_days < 1 or args.num_workers < 2:
     p.error("need --seeds >= 1, --base_days >= 1 and --num_workers >= 2")
+  if args.local_batch_size < 1:
+    p.error(f"--local_batch_size must be >= 1, got {args.local_batch_size}.")
+  if args.steps_per_day < 0:
+    p.error(f"--steps_per_day must be >= 0 (0: one pass over a day), got {args.steps_per_day}.")
   args.modes_list = expand_modes(args.modes_list, args.sweep, args.num_workers)
   if args.embedding == "hash":
     hosts = set(mode_registry.hash_embedding_modes())
@@ -922,7 +969,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   try:
     protocol = make_protocol(args)
   except ValueError as e:  # a bad flag or data spec: the message says which
-    sys.exit(f"benchmarks.switching: {e}")
+    benchmarks.refuse("benchmarks.switching", str(e))
+  short = short_day(protocol.train_rows, args.num_workers, args.local_batch_size,
+                    args.steps_per_day)
+  if short:
+    why, largest = short
+    fix = (f"--local_batch_size={largest // args.num_workers} or less, or fewer --num_workers"
+           if largest >= args.num_workers else f"fewer --num_workers or {LONGER_DAYS}")
+    benchmarks.refuse("benchmarks.switching", f"{why}; pass {fix}.")
   if args.dry_run:
     return _dry_run(args, protocol)
   modes, seeds = args.modes_list, list(range(args.seeds))

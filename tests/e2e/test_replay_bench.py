@@ -7,10 +7,14 @@ same length, so the buffered modes see no staleness and GBA's day must equal Syn
 """
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 from benchmarks import replay as replay_bench
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODES = ("sync", "gba", "async")
 
@@ -71,3 +75,58 @@ def test_day_length_is_one_pass_or_steps_per_day_in_every_mode(steps_per_day, wa
       f"--steps_per_day={steps_per_day}"])
   protocol = replay_bench.make_protocol(args, 2, 128)
   assert {m: replay_bench.day_steps(protocol, m, 2) for m in want} == want
+
+
+def _run(args, tmp_path):
+  """`python -m benchmarks.replay args` as a user runs it (its own stderr, as the terminal)."""
+  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env.pop("TF_GBA_BENCH_STDERR", None)
+  return subprocess.run([sys.executable, "-m", "benchmarks.replay", *args,
+                         f"--out={tmp_path / 'out'}"], capture_output=True, text=True, cwd=_ROOT,
+                        env=env, timeout=300, check=False)
+
+
+def test_a_day_of_fewer_than_a_few_global_steps_is_refused_in_one_line(tmp_path):
+  """N = 128 at the default local batch 256: the default synthetic day of 32,768 rows is one
+  global step. Refused before anything is replayed, in one line that names the flag to pass."""
+  proc = _run(["--num_workers=128", "--modes=sync,gba", "--seeds=1", "--stragglers=paper",
+               "--from_sync_only"], tmp_path)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stdout == ""
+  assert proc.stderr.endswith("\n") and proc.stderr.count("\n") == 1, proc.stderr
+  assert proc.stderr.startswith(
+      "benchmarks.replay: error: N=128: a day of 32,768 train rows is 1 global step of 128 "
+      "workers x local batch 256 = 32,768 examples, fewer than 4"), proc.stderr
+  assert "pass --global_batch_size=8192 or less (local batch 64 at N=128)" in proc.stderr
+  assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags,says", [
+    # A list of N: the largest global batch that every N divides, at the N that is refused.
+    (["--num_workers=8,32,128"],
+     "N=128: a day of 32,768 train rows is 1 global step of 128 workers x local batch 256"),
+    (["--num_workers=8,32,128"], "--global_batch_size=8192 or less (a multiple of 128, local "
+                                 "batch 64 at N=128)"),
+    (["--num_workers=8", "--global_batch_size=16384"], "is 2 global steps of 8 workers x local "
+                                                       "batch 2048"),
+    # A day of --steps_per_day worker steps needs one global batch of rows.
+    (["--num_workers=8", "--local_batch_size=8192", "--steps_per_day=64"],
+     "a global batch of 8 workers x local batch 8192 = 65,536 examples is larger than a day's "
+     "32,768 train rows"),
+    (["--num_workers=8", "--local_batch_size=0"], "--local_batch_size must be >= 1, got 0."),
+    (["--num_workers=8,128", "--global_batch_size=64"],
+     "--global_batch_size=64 is a local batch below 1 at N=128"),
+])
+def test_protocol_refusals_name_their_flag(flags, says, capsys):
+  with pytest.raises(SystemExit) as e:
+    replay_bench.main([*flags, "--dry_run"])
+  assert e.value.code == 2
+  out, err = capsys.readouterr()
+  assert err.startswith("benchmarks.replay: error: ") and err.count("\n") == 1, err
+  assert says in err and out == ""
+
+
+def test_dry_run_accepts_a_day_of_enough_global_steps(capsys):
+  assert replay_bench.main(["--num_workers=8,32,128", "--global_batch_size=8192",
+                            "--dry_run"]) == {}
+  assert "dry run: flags and days valid" in capsys.readouterr().out

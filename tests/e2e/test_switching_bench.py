@@ -9,11 +9,15 @@ import dataclasses
 import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from benchmarks import switching
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODES = ("sync", "gba", "hop_bw")
 DIRECTIONS = ("from_sync", "to_sync")
@@ -26,7 +30,8 @@ def bench(tmp_path_factory):
   results = switching.main([
       "--data=synthetic", "--data_options=num_examples=1024,num_eval_examples=256,vocab_size=200",
       "--days=3", "--base_days=1", "--seeds=1", f"--modes={','.join(MODES)}",
-      "--num_workers=2", "--stragglers=none", f"--out={out}"])
+      # 1,024 rows a day in global batches of 2 x 128: 4 global steps, the fewest accepted.
+      "--num_workers=2", "--local_batch_size=128", "--stragglers=none", f"--out={out}"])
   with open(out / "results.md") as f:
     md = f.read()
   with open(out / "results.json") as f:
@@ -346,3 +351,40 @@ def test_resume_reuses_a_finished_run_of_the_same_config_wherever_the_out_direct
   # Any other difference runs it again.
   other = dict(moved, local_batch_size=128)
   assert switching._finished(str(model_dir), other) is None  # pylint: disable=protected-access
+
+
+def test_a_day_of_fewer_than_a_few_global_steps_is_refused_in_one_line(tmp_path):
+  """128 workers x 256 on the default synthetic day of 32,768 rows: one global step. Refused
+  before any run starts, in one line naming the flag that fixes it."""
+  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env.pop("TF_GBA_BENCH_STDERR", None)
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.switching", "--num_workers=128",
+                         "--modes=sync,gba", f"--out={tmp_path / 'out'}"], capture_output=True,
+                        text=True, cwd=_ROOT, env=env, timeout=300, check=False)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.count("\n") == 1, proc.stderr
+  assert proc.stderr.startswith(
+      "benchmarks.switching: error: a day of 32,768 train rows is 1 global step of 128 workers "
+      "x local batch 256 = 32,768 examples, fewer than 4"), proc.stderr
+  assert "pass --local_batch_size=64 or less, or fewer --num_workers." in proc.stderr
+  assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--num_workers=4", "--local_batch_size=0"], "--local_batch_size must be >= 1, got 0."),
+    (["--num_workers=4", "--local_batch_size=16384", "--steps_per_day=64"],
+     "a global batch of 4 workers x local batch 16384 = 65,536 examples is larger than a day's "
+     "32,768 train rows"),
+    (["--num_workers=4", "--data_options=num_examples=8,num_eval_examples=8"],
+     "a day of 8 train rows is 0.0078 global steps of 4 workers x local batch 256 = 1,024 "
+     "examples, fewer than 4: its next-day AUC cannot mean anything; pass fewer --num_workers or "
+     "longer days (--data_options=num_examples=... for synthetic data, fewer --days for the "
+     "others)."),
+])
+def test_protocol_refusals_name_their_flag(flags, says, capsys):
+  with pytest.raises(SystemExit) as e:
+    switching.main([*flags, "--dry_run"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("benchmarks.switching: error: ") and err.count("\n") == 1, err
+  assert says in err

@@ -147,6 +147,36 @@ def test_benchmarks_read_the_registry():
                              "hop_bw": "hop_bw_backup"}
 
 
+def test_replayed_modes_are_the_registry_entries_that_say_so():
+  """Replay's modes (tf_gba.training.replay, benchmarks.replay) are the registry's `replayed`
+  entries (written out here), each one the simulator models and whose push is sync's mean or a
+  buffer rule of the parameter servers."""
+  from benchmarks import replay as replay_bench  # pylint: disable=g-import-not-at-top
+  from tf_gba import simulate  # pylint: disable=g-import-not-at-top
+  from tf_gba.distribute import modes as ps_modes  # pylint: disable=g-import-not-at-top
+  from tf_gba.training import replay  # pylint: disable=g-import-not-at-top
+  replayed = ("sync", "gba", "async", "bsp", "hop_bs", "hop_bw")
+  assert mode_registry.replayed_modes() == replayed
+  assert replay_bench.MODES == replayed
+  assert replay_bench.parse_args([]).modes_list == list(replayed)
+  for mode in mode_registry.all_modes():
+    if mode.replayed:
+      assert mode.name in simulate.MODES
+      assert mode.name == "sync" or mode.strategy_mode in ps_modes.MODES
+      replay.ModeConfig(mode.name, num_workers=4)
+    else:
+      with pytest.raises(ValueError, match="mode must be one of"):
+        replay.ModeConfig(mode.name, num_workers=4)
+  # ModeConfig reads the registry when it is made: a mode registered as replayed is accepted.
+  mode_registry.register(mode_registry.Mode(
+      name="test_only_replayed", help="a mode of this test", kind=mode_registry.COLLECTIVE,
+      run=lambda cfg: {}, num_aggregate=lambda cfg: 1, replayed=True))
+  try:
+    assert replay.ModeConfig("test_only_replayed", num_workers=4).mode == "test_only_replayed"
+  finally:
+    mode_registry._REGISTRY.pop("test_only_replayed")  # pylint: disable=protected-access
+
+
 def test_mode_checks_of_a_mode_live_with_its_entry():
   with pytest.raises(ValueError, match="--dts_delay and --dts_period must be >= 1"):
     TrainConfig(mode="dts", dts_delay=0, steps=5).validate()

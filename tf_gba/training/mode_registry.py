@@ -2,8 +2,11 @@
 
 The binary's `--mode` enum and help (examples/train.py), `TrainConfig` validation and its M rule
 (training/config.py), the runner's dispatch (training/runner.py `run`), the benchmarks'
-(benchmarks/mode_qps.py, benchmarks/switching.py) mode lists and the flags each mode accepts all
-come from here. A mode is:
+(benchmarks/mode_qps.py, benchmarks/switching.py, benchmarks/replay.py) and the replay's
+(training/replay.py) mode lists and the flags each mode accepts all come from here. Two lists
+of modes live elsewhere, as they must below this layer: the parameter servers' buffer rules
+(tf_gba/distribute/modes.py) and the cluster simulator's (tf_gba/simulate/cluster.py);
+tests/test_mode_lists.py keeps it to those. A mode is:
 
   register(Mode(
       name="gba",                                  # the --mode value
@@ -14,6 +17,7 @@ come from here. A mode is:
       num_aggregate=_m_global_over_local,          # M: local batches per global step
       summary_fields=(),                           # summary keys it adds (training/summary.py)
       hash_embedding=True,                         # it can train --embedding=hash
+      replayed=True,                               # tf_gba.training.replay reproduces it
   ))
 
 Adding a mode is one `register(Mode(...))` call here, the module its `run` names, and its test.
@@ -64,6 +68,10 @@ class Mode:
   # the whole table and applies the all-gathered rows (tf_gba.optimizers.hash_rows
   # .apply_replicated). DTS's, ShadowSync's and ASGD's own jobs cannot host the table.
   hash_embedding: bool = False
+  # Whether tf_gba.training.replay (and benchmarks.replay) can reproduce the mode from a simulated
+  # timeline: the simulator models it (tf_gba/simulate/cluster.py) and its rule at the push is
+  # sync's mean or a buffer of tf_gba.distribute.modes. Auto, DTS and the shadow modes are not.
+  replayed: bool = False
 
 
 _REGISTRY: Dict[str, Mode] = {}
@@ -124,6 +132,11 @@ def unused_flags_message(mode: str, unused: List[str]) -> str:
 def hash_embedding_modes() -> Tuple[str, ...]:
   """The modes that can train --embedding=hash."""
   return tuple(m.name for m in _REGISTRY.values() if m.hash_embedding)
+
+
+def replayed_modes() -> Tuple[str, ...]:
+  """The modes that tf_gba.training.replay reproduces, in registration order."""
+  return tuple(m.name for m in _REGISTRY.values() if m.replayed)
 
 
 def help_text() -> str:
@@ -197,30 +210,30 @@ def _validate_dts(config) -> None:
 
 
 register(Mode(
-    name="sync", kind=COLLECTIVE, compared=True,
+    name="sync", kind=COLLECTIVE, compared=True, replayed=True,
     help="synchronous workers, gradients all-reduced every step (MultiWorkerMirroredStrategy)",
     run=lazy("tf_gba.training.sync_job:run_sync"), num_aggregate=_m_global_over_local,
     flags=_COMMON | {"global_batch_size"}, hash_embedding=True))
 register(Mode(
-    name="gba", kind=PARAMETER_SERVER, strategy_mode="gba", compared=True,
+    name="gba", kind=PARAMETER_SERVER, strategy_mode="gba", compared=True, replayed=True,
     hash_embedding=True,
     help="global batch gradients aggregation on parameter servers (M = global / local batch, "
          "gradients staler than --staleness_threshold dropped)",
     run=_PS_RUN, num_aggregate=_m_global_over_local,
     flags=PS_FLAGS | {"global_batch_size", "staleness_threshold"}))
 register(Mode(
-    name="async", kind=PARAMETER_SERVER, strategy_mode="async", compared=True,
+    name="async", kind=PARAMETER_SERVER, strategy_mode="async", compared=True, replayed=True,
     hash_embedding=True,
     help="every gradient applied on arrival (M = 1)",
     run=_PS_RUN, num_aggregate=_m_one, flags=PS_FLAGS | {"async_staleness_stats"}))
 register(Mode(
-    name="bsp", kind=PARAMETER_SERVER, strategy_mode="bsp", compared=True,
+    name="bsp", kind=PARAMETER_SERVER, strategy_mode="bsp", compared=True, replayed=True,
     hash_embedding=True,
     parameter="bsp_aggregate", global_batch=_baseline_global_batch,
     help="b2 = --bsp_aggregate gradients per step, whatever their version",
     run=_PS_RUN, num_aggregate=_m_baseline, flags=PS_FLAGS | {"bsp_aggregate"}))
 register(Mode(
-    name="hop_bs", kind=PARAMETER_SERVER, strategy_mode="hop_bs", compared=True,
+    name="hop_bs", kind=PARAMETER_SERVER, strategy_mode="hop_bs", compared=True, replayed=True,
     hash_embedding=True,
     parameter="hop_bs_bound", global_batch=_baseline_global_batch, summary_fields=_HOP_SUMMARY,
     help="N gradients per step; a worker more than b1 = --hop_bs_bound steps ahead of the "
@@ -228,7 +241,7 @@ register(Mode(
     run=_PS_RUN, num_aggregate=_m_baseline,
     flags=PS_FLAGS | {"hop_bs_bound", "hop_bs_timeout_s"}))
 register(Mode(
-    name="hop_bw", kind=PARAMETER_SERVER, strategy_mode="hop_bw", compared=True,
+    name="hop_bw", kind=PARAMETER_SERVER, strategy_mode="hop_bw", compared=True, replayed=True,
     hash_embedding=True,
     parameter="hop_bw_backup", global_batch=_baseline_global_batch, summary_fields=_HOP_SUMMARY,
     help="the first N - b3 gradients of each version make a step (b3 = --hop_bw_backup backup "

@@ -39,8 +39,8 @@ from tf_gba.distribute import modes as modes_lib
 from tf_gba.distribute import step_context
 from tf_gba.ops import gba_ops
 from tf_gba.optimizers.gba import GBA
+from tf_gba.training import mode_registry
 
-MODES = ("sync", "async", "gba", "bsp", "hop_bs", "hop_bw")
 # Tickets below 0 are never deduplicated by the buffers: replay pushes each gradient once.
 _NO_TICKET = -1
 
@@ -130,8 +130,9 @@ class ModeConfig:
   decay: str = "threshold"
 
   def __post_init__(self):
-    if self.mode not in MODES:
-      raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
+    replayed = mode_registry.replayed_modes()  # the registry's `replayed` modes
+    if self.mode not in replayed:
+      raise ValueError(f"mode must be one of {replayed}, got {self.mode!r}.")
     if self.num_workers < 1:
       raise ValueError(f"num_workers must be >= 1, got {self.num_workers}.")
 
