@@ -1,12 +1,13 @@
 """Where a tf_keras optimizer that is not tf_gba's applies gradients: the hooks tf_gba puts there.
 
-A user's own script compiles with a plain `tf_keras.optimizers.Adam` first. tf_gba must see what
-such an optimizer does with a step's gradients, and tf_keras has no hook for it, so this module
-wraps two of its methods (once, on first registration):
+A user's own script compiles with a plain `tf_keras.optimizers.Adam` first. Two things of
+tf_gba must see what such an optimizer does with a step's gradients, and tf_keras has no hook
+for either, so this module wraps two of its methods (once, on first registration):
 
 * checks, at the entry of `apply_gradients` (tf_keras' optimizers and its legacy ones), before
-  the optimizer builds or applies anything: a HashEmbedding refuses an optimizer its table cannot
-  apply.
+  the optimizer builds or applies anything: `GBAStrategy` refuses, in its buffered modes, an
+  optimizer that would apply every gradient on arrival; a HashEmbedding refuses an optimizer its
+  table cannot apply.
 * appliers, at `_internal_apply_gradients` (tf_keras' optimizers), where Keras has aggregated,
   clipped (`global_clipnorm` over all the step's gradients) and summed duplicate rows: a
   HashEmbedding's table takes its rows' gradient there and applies it itself; the other pairs go
@@ -22,6 +23,10 @@ Imports nothing of tf_gba (the lowest layer).
 
 import threading
 from typing import Callable, Dict, List, Tuple
+
+# An optimizer class with this attribute set (AdaptiveRevision) is asynchronous by design: the
+# buffered modes of GBAStrategy let it apply every gradient on arrival.
+ASYNCHRONOUS = "_tf_gba_asynchronous"
 
 Check = Callable[[object, list], None]
 Applier = Callable[[object, list], Tuple[list, list]]

@@ -32,6 +32,12 @@ MODES = ("gba", "async", "bsp", "hop_bs", "hop_bw")
 DEFAULT_HOP_BS_BOUND = 2      # b1, the paper's default
 
 
+def uses_buffers(mode: str) -> bool:
+  """Whether `mode` aggregates gradients in the buffers (every mode but async): its optimizer
+  must be tf_gba.optimizers.GBA, which pushes to them."""
+  return mode != "async"
+
+
 def default_bsp_aggregate(num_workers: int) -> int:
   """BSP's b2 when none is given: N / 5, the paper's 20 of 100 workers."""
   return max(1, round(num_workers / 5))
