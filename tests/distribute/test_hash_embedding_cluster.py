@@ -1,9 +1,11 @@
 """HashEmbedding on real TF servers (LocalCluster on 127.0.0.1): sharded over the parameter
 servers, trained under GBA and async (with model.fit and with a custom loop the coordinator
 schedules), checkpointed, restored into 3 parameter servers and into one process with the same
-rows."""
+rows; a plain tf_keras optimizer trains the rows GBA trains under async, and is refused under
+gba."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 import tf_keras as keras
 
@@ -142,3 +144,91 @@ def test_a_custom_loop_scheduled_on_the_workers_trains_the_table():
     assert rows["frequency"].sum() >= STEPS and rows["tags"].max() == STEPS // 2 - 1
     for i, shard in enumerate(emb.table.shards):
       assert all(hash_table_ops.mix64(int(k)) % 2 == i for k in shard.export()["keys"].numpy())
+
+
+def _loop_step(strategy, model, optimizer):
+  @tf.function
+  def step(it):
+    def replica_fn(batch):
+      ids, labels = batch
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(ids, training=True) - labels))
+      grads = tape.gradient(loss, model.trainable_variables)
+      optimizer.apply_gradients(zip(grads, model.trainable_variables))
+      return loss
+    return strategy.run(replica_fn, args=(next(it),))
+  return step
+
+
+def test_plain_optimizers_train_the_rows_gba_trains_under_async_and_are_refused_under_gba():
+  """A plain tf_keras optimizer under GBAStrategy, on one worker, whose steps run one after
+  another (no staleness). mode="async": a plain Adam through fit and a plain Adagrad through a
+  custom loop end with the rows (values, slots, counts) and dense weights that GBA(the same
+  optimizer) ends with; RMSprop is refused in one line. mode="gba" (a second strategy on the same
+  servers): a plain Adam is refused in one line, in fit and in a custom loop. Every refusal comes
+  while the step is traced on the coordinator: no step reaches a worker (the table stays
+  empty)."""
+  with LocalCluster(num_ps=2, num_workers=1) as cluster:
+    strategy = GBAStrategy(cluster.resolver(), mode="async")
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+
+    def trained(make, loop):
+      with strategy.scope():
+        model, emb = build()
+        optimizer = make()
+        model.compile(optimizer, "mse")
+      if loop:
+        iterator = iter(coordinator.create_per_worker_dataset(lambda: dataset_fn()))
+        step = _loop_step(strategy, model, optimizer)
+        for _ in range(STEPS):
+          coordinator.schedule(step, args=(iterator,))
+        coordinator.join()
+      else:
+        model.fit(keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
+                  steps_per_epoch=STEPS, verbose=0)
+      assert int(optimizer.iterations.numpy()) == STEPS  # one step per gradient
+      return sorted_rows(emb.table), model.get_weights()
+
+    for make, loop in ((lambda: keras.optimizers.Adam(0.05), False),
+                       (lambda: keras.optimizers.Adagrad(0.2), True)):
+      plain, plain_weights = trained(make, loop)
+      wrapped, wrapped_weights = trained(lambda: GBA(make()), loop)
+      np.testing.assert_array_equal(plain["keys"], wrapped["keys"])
+      assert len(plain["keys"]) > 0 and plain["slots"].shape[1] in (1, 2)
+      for f in ("values", "slots"):
+        np.testing.assert_allclose(plain[f], wrapped[f], rtol=1e-6, atol=1e-6, err_msg=f)
+      for f in ("frequency", "last_seen"):
+        np.testing.assert_array_equal(plain[f], wrapped[f], err_msg=f)
+      for a, b in zip(plain_weights, wrapped_weights):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+      # The rows moved from their initial values (a fresh table of the same seed finds those).
+      with strategy.scope():
+        _, fresh = build()
+      initial = fresh.table.find(tf.constant(plain["keys"])).numpy()
+      assert np.abs(plain["values"] - initial).max() > 1e-3
+
+    def refused(strategy, make, loop, says):
+      with strategy.scope():
+        model, emb = build()
+        optimizer = make()
+        model.compile(optimizer, "mse")
+      with pytest.raises(ValueError) as raised:
+        if loop:
+          coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+          iterator = iter(coordinator.create_per_worker_dataset(lambda: dataset_fn()))
+          coordinator.schedule(_loop_step(strategy, model, optimizer), args=(iterator,))
+        else:
+          model.fit(keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
+                    steps_per_epoch=STEPS, verbose=0)
+      message = str(raised.value)
+      assert says in message and "\n" not in message, message
+      assert emb.table.size() == 0 and int(optimizer.iterations.numpy()) == 0
+
+    refused(strategy, lambda: keras.optimizers.RMSprop(0.1), False,
+            "RMSprop is none of them: use tf_keras.optimizers.SGD")
+    gba = GBAStrategy(cluster.resolver(), mode="gba")
+    for loop in (False, True):
+      refused(gba, lambda: keras.optimizers.Adam(0.05), loop,
+              "GBAStrategy(mode='gba') aggregates gradients in buffers on the parameter servers, "
+              "but Adam would apply every gradient on arrival (plain async): wrap it, "
+              "tf_gba.optimizers.GBA(Adam(...)), or use mode=\"async\".")

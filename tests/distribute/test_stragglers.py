@@ -182,13 +182,13 @@ def test_persistent_straggler_runs_a_third_as_many_steps_async():
 
 
 def _placement_run(placement: str, optimizer_fn, steps: int = 48, floor_s: float = 0.1,
-                   slow: float = 4.0):
+                   slow: float = 4.0, mode: str = "gba"):
   """GBA (M = 3) on a real 3-worker cluster, worker 0 `slow`x slower, the delay at `placement`.
 
   Returns (optimizer stats, worker step stats).
   """
   with LocalCluster(num_ps=1, num_workers=3) as cluster:
-    strategy = GBAStrategy(cluster.resolver(), mode="gba", num_aggregate=3,
+    strategy = GBAStrategy(cluster.resolver(), mode=mode, num_aggregate=3,
                            stragglers=f"compute:{floor_s * 1000:g}+persistent:{slow:g}@0",
                            straggler_delay=placement)
     with strategy.scope():
@@ -248,9 +248,10 @@ def test_a_slow_machines_gradients_are_stale_only_when_it_sleeps_before_the_push
 
 
 def test_before_push_without_the_gba_optimizer_is_refused():
-  """A bare Keras optimizer has no push to delay: a clear error, not a delay moved to the end."""
+  """A bare Keras optimizer has no push to delay: a clear error, not a delay moved to the end.
+  (Under mode="async", the one mode that takes a bare optimizer.)"""
   with pytest.raises(ValueError, match="before_push.*needs the GBA optimizer"):
-    _placement_run("before_push", lambda: keras.optimizers.Adam(0.01), steps=3)
+    _placement_run("before_push", lambda: keras.optimizers.Adam(0.01), steps=3, mode="async")
 
 
 def test_an_unknown_placement_is_refused():

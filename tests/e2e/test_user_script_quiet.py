@@ -5,6 +5,12 @@ snippet, and TensorFlow's parameter-server tutorial with GBAStrategy and GBA (`m
 TensorBoard, ModelCheckpoint and BackupAndRestore; a custom loop with ClusterCoordinator and
 preprocessing layers). What every TensorFlow program prints at start-up (measured here, with a
 program that imports TensorFlow and runs one op) is not counted.
+
+A script that compiles with a plain tf_keras optimizer: under GBAStrategy(mode="gba") (the
+README's snippet with `Adam` unwrapped) it ends in one Python exception whose message is one line
+naming `tf_gba.optimizers.GBA(...)`; a HashEmbedding under mode="async" trains with a plain Adam,
+and refuses RMSprop in one line. A refused script prints nothing from TensorFlow's runtime or the
+servers.
 """
 
 import json
@@ -163,6 +169,38 @@ _TUTORIAL = textwrap.dedent("""
                                "loop_stats": optimizer.stats()}))
 """)
 
+# The README's snippet as a user who compiles with a plain optimizer first writes it.
+_README_PLAIN = re.sub(r"tf_gba\.optimizers\.GBA\(keras\.optimizers\.Adam\(1e-3\),[^)]*\)",
+                       "keras.optimizers.Adam(1e-2)", _README)
+
+# A HashEmbedding model under GBAStrategy(mode=argv[1]), compiled with keras.optimizers.<argv[2]>.
+_HASH = textwrap.dedent("""
+    import json, sys
+    import tf_gba
+    import tensorflow as tf
+    import tf_keras as keras
+
+    mode, optimizer_name = sys.argv[1:]
+
+    def dataset_fn(ctx):
+      ids = tf.random.stateless_uniform((256, 3), (1, 2), 0, 1000, tf.int64) * 1000003
+      y = tf.cast(ids[:, :1] % 2, tf.float32)
+      return tf.data.Dataset.from_tensor_slices((ids, y)).repeat().batch(8)
+
+    with tf_gba.distribute.LocalCluster(num_ps=2, num_workers=2) as cluster:
+      strategy = tf_gba.distribute.GBAStrategy(cluster.resolver(), mode=mode)
+      with strategy.scope():
+        ids = keras.Input(shape=(3,), dtype=tf.int64)
+        embedding = tf_gba.layers.HashEmbedding(8, seed=1)
+        head = keras.layers.Dense(1, activation="sigmoid")
+        model = keras.Model(ids, head(keras.layers.Flatten()(embedding(ids))))
+        model.compile(getattr(keras.optimizers, optimizer_name)(1e-2), loss="binary_crossentropy")
+      history = model.fit(keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
+                          steps_per_epoch=10, verbose=0)
+      print("OWN", json.dumps({"loss": history.history["loss"], "rows": embedding.table.size(),
+                               "steps": int(model.optimizer.iterations.numpy())}))
+""")
+
 # glog's prefix: severity, date, time, thread; what follows names the source line and says what.
 _GLOG_PREFIX = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ ")
 
@@ -233,3 +271,48 @@ def test_the_readme_snippet_and_the_tutorial_end_quietly(tmp_path):
   assert loop["loop_stats"]["tokens_fetched"] == 12, loop
   assert loop["loop_stats"]["global_step"] == 4, loop
   assert 0.0 <= loop["accuracy"] <= 1.0 and loop["loop_loss"] == loop["loop_loss"]
+
+
+def _one_exception(lines, baseline) -> str:
+  """The last line of a script that ended in one Python exception, checked to be all it printed
+  beyond the start-up notices: Python's traceback (its frames), then that one line."""
+  own, foreign = _split(lines, baseline)
+  assert not own, own
+  start = foreign.index("Traceback (most recent call last):")
+  assert len(foreign[:start]) <= _MAX_FOREIGN, "\n".join(foreign)
+  frames, last = foreign[start + 1:-1], foreign[-1]
+  # Frames only: no chained exception, no second traceback, no line of TensorFlow's runtime.
+  assert frames and all(l.startswith("  ") for l in frames), "\n".join(foreign)
+  for word in ("InvalidArgumentError", "/job:", "[Op:", "in user code", "Traceback"):
+    assert not any(word in l for l in foreign[start + 1:]), "\n".join(foreign)
+  return last
+
+
+def test_plain_optimizers_train_or_are_refused_in_one_line():
+  assert "GBA(" not in _README_PLAIN and "keras.optimizers.Adam(1e-2)" in _README_PLAIN
+  procs = [_start(_ANY_TF_PROGRAM), _start(_README_PLAIN), _start(_HASH, "async", "RMSprop"),
+           _start(_HASH, "async", "Adam")]
+  (base_rc, baseline), (readme_rc, readme), (rms_rc, rms), (adam_rc, adam) = map(_finish, procs)
+  assert base_rc == 0, baseline
+
+  # The README's snippet with a plain Adam under mode="gba": refused, before any step.
+  assert readme_rc == 1, "\n".join(readme[-60:])
+  assert _one_exception(readme, baseline) == (
+      "ValueError: GBAStrategy(mode='gba') aggregates gradients in buffers on the parameter "
+      "servers, but Adam would apply every gradient on arrival (plain async): wrap it, "
+      "tf_gba.optimizers.GBA(Adam(...)), or use mode=\"async\".")
+
+  # A HashEmbedding with RMSprop, which its table cannot apply: refused, before any step.
+  assert rms_rc == 1, "\n".join(rms[-60:])
+  assert _one_exception(rms, baseline) == (
+      "ValueError: HashEmbedding rows are updated by the table's fused SGD, Adagrad or Adam "
+      "(LazyAdam); RMSprop is none of them: use tf_keras.optimizers.SGD (without momentum), "
+      "Adagrad or Adam (without amsgrad), alone or in tf_gba.optimizers.GBA(...).")
+
+  # ... and with a plain Adam under mode="async": trained, quietly, every step applied.
+  assert adam_rc == 0, "\n".join(adam[-60:])
+  own, foreign = _split(adam, baseline)
+  assert len(foreign) <= _MAX_FOREIGN, "\n".join(foreign[:60])
+  (result,) = own
+  assert result["steps"] == 10 and 0 < result["rows"] <= 10 * 8 * 3
+  assert all(0.0 < l < 10.0 for l in result["loss"])

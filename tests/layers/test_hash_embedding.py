@@ -45,16 +45,19 @@ def vocab_model():
   return keras.Model(pos, _head("dense")(emb(pos))), emb
 
 
+@pytest.mark.parametrize("wrap", [GBA, lambda inner: inner], ids=["GBA", "plain"])
 @pytest.mark.parametrize("make_inner", [lambda: keras.optimizers.SGD(0.3),
-                                        lambda: keras.optimizers.Adagrad(0.2)])
-def test_same_rows_as_a_partitioned_embedding(make_inner):
+                                        lambda: keras.optimizers.Adagrad(0.2)],
+                         ids=["SGD", "Adagrad"])
+def test_same_rows_as_a_partitioned_embedding(make_inner, wrap):
   hmodel, hemb = hash_model()
   vmodel, vemb = vocab_model()
   # The same starting rows: the vocabulary model gets the hash table's initial rows.
   vemb.set_weights([hemb.table.find(tf.constant(IDS, tf.int64)).numpy()])
   assert hemb.table.size() == 0  # find inserts nothing
   vmodel.layers[-1].set_weights(hmodel.layers[-1].get_weights())
-  hmodel.compile(GBA(make_inner()), "mse")  # M = 1 outside a strategy: every gradient applied
+  # GBA: M = 1 outside a strategy, every gradient applied. Plain: the table applies the rows.
+  hmodel.compile(wrap(make_inner()), "mse")
   vmodel.compile(make_inner(), "mse")
   pos, y = _batches()
   for p, t in zip(pos, y):
@@ -157,6 +160,86 @@ def test_optimizers_the_table_cannot_apply_are_refused():
     model.train_on_batch(IDS[pos[0]], y[0])
 
 
+def _sorted_rows(table):
+  rows = table.export()
+  order = np.argsort(rows["keys"].numpy())
+  return {f: rows[f].numpy()[order] for f in hash_table_ops.EXPORT_FIELDS}
+
+
+@pytest.mark.parametrize("make", [
+    lambda: keras.optimizers.SGD(0.3),
+    lambda: keras.optimizers.Adagrad(0.2, initial_accumulator_value=0.05),
+    lambda: keras.optimizers.Adam(0.05),
+    lambda: keras.optimizers.Adam(0.05, beta_1=0.8, clipnorm=0.01)],
+    ids=["SGD", "Adagrad", "Adam", "Adam-clipnorm"])
+def test_a_plain_optimizer_trains_the_rows_gba_trains(make):
+  """A plain tf_keras optimizer in compile: the table applies its rows itself, as GBA(it) does
+  with M = 1 (SPEC section 6): the same rows, slots, counts and dense weights, step by step."""
+  pos, y = _batches(seed=5)
+  models = []
+  for wrap in (lambda inner: inner, GBA):
+    model, emb = hash_model()
+    model.compile(wrap(make()), "mse")
+    models.append((model, emb))
+  for p, t in zip(pos, y):
+    for model, _ in models:
+      model.train_on_batch(IDS[p], t)
+    (plain, plain_emb), (gba, gba_emb) = models
+    a, b = _sorted_rows(plain_emb.table), _sorted_rows(gba_emb.table)
+    np.testing.assert_array_equal(a["keys"], b["keys"])
+    for f in ("values", "slots"):
+      np.testing.assert_allclose(a[f], b[f], rtol=1e-6, atol=1e-6, err_msg=f)
+    for f in ("frequency", "last_seen"):
+      np.testing.assert_array_equal(a[f], b[f], err_msg=f)
+    for u, v in zip(plain.get_weights(), gba.get_weights()):
+      np.testing.assert_allclose(u, v, rtol=1e-6, atol=1e-6)
+  assert int(plain.optimizer.iterations.numpy()) == len(pos)
+  assert a["slots"].shape[1] == {"SGD": 0, "Adagrad": 1, "Adam": 2}[type(plain.optimizer).__name__]
+  # The rows moved (the comparison is not of two untouched tables); as in Sync, no tags written.
+  assert not np.allclose(a["values"], hash_model()[1].table.find(tf.constant(a["keys"])).numpy())
+  assert (a["tags"] == -1).all()
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda: keras.optimizers.RMSprop(0.1), "RMSprop is none of them: use tf_keras.optimizers.SGD"),
+    (lambda: keras.optimizers.SGD(0.1, momentum=0.9), "plain SGD"),
+    (lambda: keras.optimizers.Adam(amsgrad=True), "without amsgrad"),
+    (lambda: keras.optimizers.Adam(use_ema=True), "use_ema=False"),
+    (lambda: keras.optimizers.AdamW(0.1), "weight_decay=None"),
+    (lambda: keras.optimizers.legacy.Adagrad(0.1),
+     "cannot be updated by tf_keras.optimizers.legacy.Adagrad: use tf_keras.optimizers.SGD")])
+def test_a_plain_optimizer_the_table_cannot_apply_is_refused_in_one_line(make, says):
+  model, emb = hash_model()
+  model.compile(make(), "mse")
+  pos, y = _batches()
+  with pytest.raises(ValueError) as raised:
+    model.train_on_batch(IDS[pos[0]], y[0])
+  message = str(raised.value)
+  assert says in message and "\n" not in message, message   # not AutoGraph's "in user code:"
+  assert emb.table.size() == 0  # refused while the step was traced: it never ran
+
+
+def test_a_plain_optimizer_under_an_all_reduce_strategy_is_sent_to_apply_replicated():
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+  with strategy.scope():
+    layer = HashEmbedding(DIM, seed=3)
+    optimizer = keras.optimizers.SGD(0.5)
+    layer.build((2,))
+
+  @tf.function
+  def step():
+    def replica_fn():
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(tf.constant([5, 9], tf.int64), training=True))
+      optimizer.apply_gradients(zip(tape.gradient(loss, [layer.hash_anchor]),
+                                    [layer.hash_anchor]))
+    strategy.run(replica_fn)
+
+  with pytest.raises(ValueError, match="apply_replicated, not by SGD.apply_gradients") as raised:
+    step()
+  assert "\n" not in str(raised.value)
+
+
 def test_checkpoint_round_trip_keeps_every_row_field(tmp_path):
   model, emb = hash_model()
   model.compile(GBA(keras.optimizers.Adam(0.01)), "mse")
@@ -201,15 +284,17 @@ def test_sharded_table_checkpoint_restores_into_another_shard_count(tmp_path):
       assert all(hash_table_ops.mix64(int(k)) % p == i for k in shard_keys)
 
 
-def test_admission_and_interval_eviction_in_a_training_loop():
+@pytest.mark.parametrize("wrap", [GBA, lambda inner: inner], ids=["GBA", "plain"])
+def test_admission_and_interval_eviction_in_a_training_loop(wrap):
   # Zero initial rows and SGD lr 1 on sum(out): an admitted row ends at -(its occurrences in the
   # batches applied since it got the row). The reference follows the SPEC: a row at the second
   # lookup, eviction after the apply of every second global step (the shard's step), TTL 3 then
   # a budget of 3 rows, lowest frequency first, ties to the oldest last_seen, then the smallest key.
+  # The same with GBA(SGD) and with a plain SGD, whose rows the table applies itself.
   layer = HashEmbedding(DIM, embeddings_initializer="zeros", min_frequency=2, ttl_steps=3,
                         max_rows=3, eviction_interval=2)
   assert HashEmbedding.from_config(layer.get_config()).get_config() == layer.get_config()
-  optimizer = GBA(keras.optimizers.SGD(1.0))
+  optimizer = wrap(keras.optimizers.SGD(1.0))
   rng = np.random.default_rng(4)
   rows, pending, filtered, evicted = {}, {}, 0, 0
   for step in range(14):

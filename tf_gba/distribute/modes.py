@@ -47,6 +47,12 @@ def check_steps_per_execution(mode: str, steps_per_execution: int, what: str) ->
         "can run. Use 1 (the default in this mode).")
 
 
+def uses_buffers(mode: str) -> bool:
+  """Whether `mode` aggregates gradients in the buffers (every mode but async): its optimizer
+  must be tf_gba.optimizers.GBA, which pushes to them."""
+  return mode != "async"
+
+
 def default_bsp_aggregate(num_workers: int) -> int:
   """BSP's b2 when none is given: N / 5, the paper's 20 of 100 workers."""
   return max(1, round(num_workers / 5))

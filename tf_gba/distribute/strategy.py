@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from tf_gba.common import arguments
 from tf_gba.common import autograph
+from tf_gba.common import keras_apply
 from tf_gba.distribute import modes as modes_lib
 from tf_gba.distribute import step_context
 from tf_gba.distribute import steps_per_execution as steps_per_execution_lib
@@ -45,6 +46,27 @@ LOSS_REDUCTION_HINT = (
     "that sums over its local batch; use a learning rate for summed, not averaged, gradients).")
 
 
+def _refuse_optimizers_that_bypass_the_buffers(optimizer, grads_and_vars) -> None:
+  """At the entry of a tf_keras optimizer's `apply_gradients` (not GBA's, which pushes to the
+  buffers): refuses it, in one line, under a GBAStrategy whose mode aggregates in buffers.
+
+  Such an optimizer would apply every gradient on arrival, which is mode="async", while the job
+  believes it runs the mode it asked for. tf_gba's asynchronous optimizers (AdaptiveRevision,
+  `keras_apply.ASYNCHRONOUS`) apply on arrival by design and are left alone.
+  """
+  del grads_and_vars
+  strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+  if not isinstance(strategy, GBAStrategy) or not modes_lib.uses_buffers(strategy.mode):
+    return
+  if getattr(optimizer, keras_apply.ASYNCHRONOUS, False):
+    return
+  name = type(optimizer).__name__
+  raise keras_apply.one_line(ValueError(
+      f"GBAStrategy(mode={strategy.mode!r}) aggregates gradients in buffers on the parameter "
+      f"servers, but {name} would apply every gradient on arrival (plain async): wrap it, "
+      f"tf_gba.optimizers.GBA({name}(...)), or use mode=\"async\"."))
+
+
 class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
   """A ParameterServerStrategy whose workers push (token, gradient) to buffers on the PS.
 
@@ -54,7 +76,10 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     variable_partitioner: as for ParameterServerStrategy; shards large variables (embeddings)
       across parameter servers. Each shard gets its own buffer.
     mode: "gba" (aggregate M gradients per global step with staleness decay) or "async" (apply
-      each gradient on arrival; staleness is still measured).
+      each gradient on arrival; staleness is still measured), or a baseline ("bsp", "hop_bs",
+      "hop_bw"). Every mode but "async" aggregates in buffers and takes tf_gba.optimizers.GBA:
+      a plain tf_keras optimizer, which would apply each gradient on arrival, is refused in one
+      line when the first step is traced. "async" also takes a plain optimizer (plain async).
     num_aggregate: M for "gba". Default: taken from the GBA optimizer created under this
       strategy's scope, else the number of workers (SPEC: N_async = M).
     stragglers: a straggler profile (see `tf_gba.distribute.stragglers`), applied as real delays
@@ -155,6 +180,7 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     self._gba_version_reader: Optional[Callable[[], Any]] = None
     self._gba_pre_step_readers: Dict[str, Callable[[], Any]] = {}
     self._gba_uses_tokens = False
+    keras_apply.add_check("gba_strategy", 0, _refuse_optimizers_that_bypass_the_buffers)
 
   # ParameterServerStrategy keeps its ClusterCoordinator here; ClusterCoordinator(strategy)
   # stores itself on first use. Its join() is wrapped as it arrives so that blocked workers are

@@ -13,10 +13,13 @@ Gradients: the layer's rows reach the optimizer as the gradient of the layer's `
 weight, an `IndexedSlices` whose indices are the ids themselves. `tf_gba.optimizers.GBA` (every
 mode: gba, async, bsp, hop_bs, hop_bw; with M = 1 outside a strategy, every gradient is applied as
 it comes) sends them through a keyed sparse buffer per shard (per-ID staleness from the row's own
-tag) to the table's fused SGD, Adagrad or LazyAdam update on the parameter server. Under an
-all-reduce strategy, `tf_gba.optimizers.hash_rows.apply_replicated` all-gathers the replicas' rows'
-gradients, sums them per key and applies the same fused update on every worker (Sync, SPEC
-section 6); the sync job (`--mode=sync`) does this.
+tag) to the table's fused SGD, Adagrad or LazyAdam update on the parameter server. A plain
+tf_keras SGD, Adagrad or Adam (no strategy, or GBAStrategy's mode="async") hands the anchor's
+pair to the table where Keras applies the step, and the table applies the same fused update
+(`tf_gba.layers.hash_updates`); any other optimizer is refused in one line before it applies
+anything. Under an all-reduce strategy, `tf_gba.optimizers.hash_rows.apply_replicated`
+all-gathers the replicas' rows' gradients, sums them per key and applies the same fused update on
+every worker (Sync, SPEC section 6); the sync job (`--mode=sync`) does this.
 
 Example:
 
@@ -31,7 +34,9 @@ from typing import List, Optional, Tuple
 import tensorflow as tf
 import tf_keras as keras
 
+from tf_gba.common import keras_apply
 from tf_gba.layers import hash_embedding_serving
+from tf_gba.layers import hash_updates
 from tf_gba.ops import hash_table_ops
 
 # The attribute of the anchor weight that names its table (read by the optimizer).
@@ -119,6 +124,49 @@ def replicated_lookup(ctx, table: hash_table_ops.ShardedHashTable, keys: tf.Tens
   return tf.gather(rows, position[offset:offset + tf.size(keys, out_type=tf.int64)])
 
 
+# ---- a plain tf_keras optimizer (not GBA) applying a step with HashEmbedding rows --------------
+def _has_rows(grads_and_vars) -> bool:
+  return any(g is not None and table_of(v) is not None for g, v in grads_and_vars)
+
+
+def _refuse_what_the_table_cannot_apply(optimizer, grads_and_vars) -> None:
+  """At the entry of a plain optimizer's `apply_gradients`: refuses, in one line, an optimizer
+  the table cannot apply, and an all-reduce strategy (whose rows take `apply_replicated`)."""
+  if not _has_rows(grads_and_vars):
+    return
+  hash_updates.plain_optimizer(optimizer)
+  strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+  if strategy is not None and is_replicated(strategy):
+    raise keras_apply.one_line(ValueError(
+        f"HashEmbedding rows under {type(strategy).__name__} are all-gathered and applied by "
+        "tf_gba.optimizers.hash_rows.apply_replicated, not by "
+        f"{type(optimizer).__name__}.apply_gradients: split them out with "
+        "tf_gba.optimizers.hash_rows.split_hash_gradients (docs/hash_embeddings.md, "
+        "\"Sync (all-reduce)\")."))
+
+
+def _apply_rows(optimizer, grads_and_vars):
+  """Where a plain optimizer applies its step (aggregated, clipped, duplicate keys summed):
+  each anchor's rows go to its table's fused update with the optimizer's rule, at the step's
+  `iterations` (read before Keras advances it). Returns (the other pairs, the updates)."""
+  if not _has_rows(grads_and_vars):
+    return grads_and_vars, []
+  fused = hash_updates.plain_optimizer(optimizer)
+  iteration = tf.identity(optimizer.iterations)
+  others, updates = [], []
+  for grad, var in grads_and_vars:
+    table = table_of(var)
+    if table is None or grad is None:
+      others.append((grad, var))
+      continue
+    if not isinstance(grad, tf.IndexedSlices):
+      raise keras_apply.one_line(ValueError(
+          f"{var.name} (a HashEmbedding's anchor) got a dense gradient: its rows' gradient is "
+          "IndexedSlices of the layer's ids."))
+    updates.append(hash_updates.apply_rows(table, optimizer, grad, iteration, fused))
+  return others, updates
+
+
 @keras.utils.register_keras_serializable(package="tf_gba")
 class HashEmbedding(keras.layers.Layer):
   """An embedding of unbounded int64 (or string) ids in an expandable hash table.
@@ -194,6 +242,9 @@ class HashEmbedding(keras.layers.Layer):
     self.hash_anchor = self.add_weight(name="hash_anchor", shape=(0, self.output_dim),
                                        initializer="zeros", trainable=True)
     setattr(self.hash_anchor, TABLE_ATTR, self.table)
+    # A plain tf_keras optimizer (not GBA) hands the table its rows' gradient, or is refused.
+    keras_apply.add_check("hash_embedding", 1, _refuse_what_the_table_cannot_apply)
+    keras_apply.add_applier("hash_embedding", _apply_rows)
     super().build(input_shape)
 
   def _check_ids(self, ids) -> tf.Tensor:

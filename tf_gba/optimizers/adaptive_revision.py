@@ -54,6 +54,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from tf_gba.common import arguments
+from tf_gba.common import keras_apply
 from tf_gba.distribute import step_context
 from tf_gba.ops import adaptive_revision_ops
 
@@ -400,3 +401,8 @@ class AdaptiveRevision(keras.optimizers.Optimizer):
       config["alpha"] = keras.optimizers.schedules.deserialize(
           config["alpha"], custom_objects=custom_objects)
     return cls(**config)
+
+
+# Asynchronous by design (each update revises for the delay it saw): GBAStrategy's buffered modes
+# let it apply every gradient on arrival, as its mode="async" does (tf_gba.common.keras_apply).
+setattr(AdaptiveRevision, keras_apply.ASYNCHRONOUS, True)

@@ -25,6 +25,7 @@ import tf_keras as keras
 from tf_gba.common import arguments
 from tf_gba.distribute import step_context
 from tf_gba.layers import hash_embedding
+from tf_gba.layers import hash_updates
 from tf_gba.ops import gba_ops
 from tf_gba.optimizers import hash_rows
 from tf_gba.optimizers import wrapping
@@ -432,13 +433,9 @@ class GBA(wrapping.InnerOptimizerDelegation, keras.optimizers.Optimizer):
 
   def _apply_hash_aggregate(self, aggregate: tf.IndexedSlices, shard):
     """The table's fused update of an aggregate of hash rows, on the shard's device."""
-    inner = self._inner
-    kind, hyper, initial_accumulator = self._hash_optimizer
-    aggregate = inner._clip_gradients([aggregate])[0]  # pylint: disable=protected-access
-    return shard.apply(aggregate.indices, aggregate.values, kind,
-                       learning_rate=tf.cast(inner.learning_rate, tf.float32),
-                       iteration=inner.iterations, initial_accumulator=initial_accumulator,
-                       **hyper)
+    aggregate = self._inner._clip_gradients([aggregate])[0]  # pylint: disable=protected-access
+    return hash_updates.fused_apply(shard, self._inner, aggregate.indices, aggregate.values,
+                                    self._inner.iterations, self._hash_optimizer)
 
   def update_step(self, gradient, variable):
     raise NotImplementedError("GBA applies through apply_gradients(); call that instead.")

@@ -14,38 +14,20 @@ replicas' (key, gradient row) pairs, sums them per key and applies the same fuse
 every worker; `split_hash_gradients` separates the anchors' gradients from those Keras applies.
 """
 
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, List, Tuple
 
 import tensorflow as tf
 import tf_keras as keras
 
 from tf_gba.layers import hash_embedding
+from tf_gba.layers import hash_updates
 from tf_gba.ops import gba_ops
 from tf_gba.ops import hash_table_ops
 
 
-def fused_optimizer(inner: keras.optimizers.Optimizer) -> Tuple[str, Dict, float]:
-  """(kind, hyper-parameters, Adagrad's initial accumulator) of the table's fused update.
-
-  Raises ValueError, in one line, for an optimizer the table cannot apply.
-  """
-  if inner.weight_decay:
-    raise ValueError("weight_decay is not applied to HashEmbedding rows (their rows change only "
-                     "when their key is in an aggregate): set weight_decay=None on the optimizer.")
-  if isinstance(inner, keras.optimizers.SGD):
-    if inner.nesterov or not isinstance(inner.momentum, (int, float)) or inner.momentum:
-      raise ValueError("HashEmbedding rows take plain SGD (momentum=0): the table keeps no "
-                       "momentum slot. Use SGD without momentum, Adagrad or Adam.")
-    return "sgd", {}, 0.0
-  if isinstance(inner, keras.optimizers.Adagrad):
-    return "adagrad", {"epsilon": inner.epsilon}, float(inner.initial_accumulator_value)
-  if isinstance(inner, keras.optimizers.Adam):
-    if inner.amsgrad:
-      raise ValueError("HashEmbedding rows take Adam without amsgrad (the table keeps m and v).")
-    return "adam", {"beta_1": inner.beta_1, "beta_2": inner.beta_2,
-                    "epsilon": inner.epsilon}, 0.0
-  raise ValueError(f"HashEmbedding rows are updated by the table's fused SGD, Adagrad or Adam "
-                   f"(LazyAdam); {type(inner).__name__} is none of them.")
+# The table's fused update of a tf_keras optimizer (kept here under its old name: the GBA path,
+# Sync's apply_replicated and the training job ask for it).
+fused_optimizer = hash_updates.fused_optimizer
 
 
 class HashBuffers:
@@ -132,7 +114,7 @@ def apply_replicated(optimizer: keras.optimizers.Optimizer, grads_and_vars) -> t
   pairs = [(g, v) for g, v in grads_and_vars if g is not None]
   if not pairs:
     return tf.no_op()
-  kind, hyper, initial_accumulator = fused_optimizer(optimizer)
+  fused = fused_optimizer(optimizer)
   ops = []
   for grad, var in pairs:
     table = hash_embedding.table_of(var)
@@ -146,23 +128,9 @@ def apply_replicated(optimizer: keras.optimizers.Optimizer, grads_and_vars) -> t
     summed = tf.math.unsorted_segment_sum(rows, position, tf.size(unique))
     aggregate = optimizer._clip_gradients(  # pylint: disable=protected-access
         [tf.IndexedSlices(summed, unique, grad.dense_shape)])[0]
-    iteration = tf.identity(optimizer.iterations)
-    applied = table.apply(aggregate.indices, aggregate.values, kind,
-                          learning_rate=tf.cast(optimizer.learning_rate, tf.float32),
-                          iteration=iteration, initial_accumulator=initial_accumulator, **hyper)
-    if table.evicts:
-      with tf.control_dependencies([applied]):
-        # After the apply, so the shard's own step (evict's default) is this step's + 1.
-        interval = tf.constant(table.eviction_interval, tf.int64)
-        applied = tf.cond(tf.equal((iteration + 1) % interval, 0),
-                          lambda t=table: _evicted(t), lambda: tf.constant(True))
-    ops.append(applied)
+    ops.append(hash_updates.apply_rows(table, optimizer, aggregate,
+                                       tf.identity(optimizer.iterations), fused))
   return tf.group(ops)
-
-
-def _evicted(table: hash_table_ops.ShardedHashTable) -> tf.Tensor:
-  with tf.control_dependencies([table.evict()]):
-    return tf.constant(True)
 
 
 def align_replicated_step(optimizer: keras.optimizers.Optimizer, variables) -> None:
