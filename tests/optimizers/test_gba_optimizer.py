@@ -344,3 +344,34 @@ def test_public_state_api_names_the_checkpoint_layout(tmp_path):
   # Row 3 was updated by global step 0's aggregate, which made step 1; the others never were.
   np.testing.assert_array_equal(tf.train.load_variable(path, tags[0]), [-1, -1, -1, 0, -1])
   assert GBA.buffer_index(GBA.buffer_key(7)) == 7 and GBA.buffer_index("token_generator") is None
+
+
+def test_dense_gradients_of_one_device_travel_as_one_tensor():
+  """The packing before the pushes: the dense gradients of one device's variables are split back
+  from one concatenated tensor (one transfer per device), with the values and shapes they had;
+  embedding gradients (IndexedSlices) and a lone dense gradient pass as they are."""
+  from tf_gba.optimizers import gba as gba_lib  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  shapes = [[3, 2], [2], [4, 1, 2]]
+  grads = [rng.normal(size=s).astype(np.float32) for s in shapes]
+  variables = [tf.Variable(tf.zeros(s)) for s in shapes]
+  table = tf.Variable(tf.zeros([5, 2]))
+  rows = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([3], tf.int64), tf.constant([5, 2],
+                                                                                  tf.int64))
+
+  @tf.function
+  def pack():
+    pairs = [(tf.constant(g), v) for g, v in zip(grads, variables)] + [(rows, table)]
+    out = gba_lib._one_transfer_per_device(pairs)  # pylint: disable=protected-access
+    ops = {op.type for op in tf.compat.v1.get_default_graph().get_operations()}
+    return [g for g, _ in out[:3]], out[3][0], ("ConcatV2" in ops, "Split" in ops or
+                                                  "SplitV" in ops)
+
+  dense, sparse, (concatenated, split) = pack()
+  assert concatenated and split
+  for got, want in zip(dense, grads):
+    np.testing.assert_array_equal(got.numpy(), want)
+  assert isinstance(sparse, tf.IndexedSlices)
+  np.testing.assert_array_equal(sparse.indices.numpy(), [3])
+  lone = gba_lib._one_transfer_per_device([(tf.constant(grads[0]), variables[0])])  # pylint: disable=protected-access
+  assert lone[0][0].shape == (3, 2)

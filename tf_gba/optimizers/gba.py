@@ -14,6 +14,7 @@ Example:
   model.compile(optimizer=optimizer, loss="binary_crossentropy")
 """
 
+import collections
 import copy
 from typing import Dict, List, Optional
 
@@ -61,6 +62,31 @@ def resolve_num_aggregate(num_aggregate: Optional[int], global_batch_size: Optio
 
 class _GBAState(tf.Module):
   """Checkpointed GBA state: buffers (step, row tags) and the token count."""
+
+
+def _one_transfer_per_device(grads_and_vars) -> list:
+  """`grads_and_vars` with the dense gradients of each device's variables sent there together.
+
+  Each tensor a worker sends to a parameter server is a transfer of its own (an RPC the server
+  serves); concatenated on the worker and split on the server, the dense gradients of one server
+  are one transfer per step, where they were one per variable (the fusion Horovod and PyTorch DDP
+  do for all-reduce). The values are the same to the bit.
+  """
+  groups = collections.defaultdict(list)
+  for i, (grad, var) in enumerate(grads_and_vars):
+    if not isinstance(grad, tf.IndexedSlices) and grad.shape.is_fully_defined():
+      groups[(var.device, grad.dtype)].append(i)
+  out = list(grads_and_vars)
+  for (device, _), indices in groups.items():
+    if len(indices) < 2:
+      continue
+    grads = [grads_and_vars[i][0] for i in indices]
+    packed = tf.concat([tf.reshape(g, [-1]) for g in grads], 0)
+    with tf.device(device):
+      parts = tf.split(packed, [g.shape.num_elements() for g in grads])
+      for i, grad, part in zip(indices, grads, parts):
+        out[i] = (tf.reshape(part, grad.shape), grads_and_vars[i][1])
+  return out
 
 
 def _after(deps: List[tf.Tensor], grad):
@@ -360,8 +386,9 @@ class GBA(wrapping.InnerOptimizerDelegation, keras.optimizers.Optimizer):
                if info is not None and info.delay_before_push is not None else [])
       leader_ready = None
       readies = []
+      grads_and_vars = _one_transfer_per_device(
+          [(_after(slept, grad), var) for grad, var in grads_and_vars])
       for grad, var in grads_and_vars:
-        grad = _after(slept, grad)
         if skip is None:
           ready = self._push_and_maybe_apply(token, ticket, grad, var)
         else:
