@@ -1,23 +1,25 @@
 """What one distributed training step costs, by process role, beside one process's training.
 
-  python -m benchmarks.step_cost [--modes=gba,async_plain,sync] [--steps=1000,3000]
+  python -m benchmarks.step_cost [--modes=gba,async_plain,sync,single] [--steps=4000]
                                  [--num_workers=4] [--local_batch_size=256] [--log_every=100]
-                                 [--repeats=1]
-                                 [--trees=.] [--out=runs/bench_step_cost] [binary flags ...]
+                                 [--repeats=1] [--trees=.] [--out=runs/bench_step_cost]
+                                 [binary flags ...]
 
 Each configuration runs examples/train.py (DeepFM, synthetic data, no stragglers; 1 PS in the
-parameter-server modes) twice, for the two step counts of `--steps`, while
-`benchmarks.process_cpu` samples the CPU-seconds (user + system, /proc) of every process of the
-job by role: the coordinator (the binary's own process), each parameter server, the workers, the
-tf.data service's workers. The difference between the two runs, divided by the extra worker
-steps, is the marginal CPU of a worker step: start-up, tracing, the final checkpoint, the
-evaluation and the export are the same in both runs and cancel. "single" is the physical limit:
-`model.fit` of the same model, data and batch in one process, no strategy, measured the same way.
+parameter-server modes) while `benchmarks.process_cpu` samples the CPU-seconds (user + system,
+/proc) of every process of the job by role: the coordinator (the binary's job process), the
+parameter servers, the workers, the tf.data service's workers. At each progress line the
+counters are read again; the CPU between the first line past a quarter of the run and the last
+one, over the worker steps between them, is the CPU of a worker step: start-up, tracing, the
+final checkpoint, the evaluation and the export fall outside that window. "single" is the
+physical limit: `model.fit` of the same model, data and batch in one process, no strategy,
+measured the same way (its own progress lines).
 
 `--trees=new:.,old:/path/to/checkout` runs every configuration with each tree's binary (its own
 tf_gba package and op libraries), interleaved, so a change is measured against its base side by
-side on the same machine state. Further `--name=value` flags go to the binary (for the modes that
-read them), e.g. `--steps_per_execution=1`.
+side on the same machine state ("single" runs once, with this checkout: it uses no strategy).
+Further `--name=value` flags go to the binary (for the modes that read them), e.g.
+`--steps_per_execution=1`.
 
 Measure on a quiet machine: threads that wait by spinning burn less CPU when the cores are busy
 with other work, so the figures of a loaded machine read lower than the job's own cost.
@@ -26,6 +28,8 @@ with other work, so the figures of a loaded machine read lower than the job's ow
 import argparse
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -33,6 +37,7 @@ from typing import Dict, List
 
 from benchmarks import mode_qps
 from benchmarks.process_cpu import ProcessTreeCpu
+from tf_gba.training import mode_registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLES = ("coordinator", "ps", "worker", "tfdata_worker", "other")
@@ -47,21 +52,47 @@ def _tree_env(tree: str) -> dict:
   return env
 
 
+_PROGRESS = re.compile(r"^step (\d+)/(\d+)")
+
+
 def _measure(cmd: List[str], tree: str, log: str) -> Dict[str, float]:
-  """Runs `cmd` in `tree`; returns its process tree's CPU-seconds by role and the wall time."""
+  """Runs `cmd` in `tree`; returns its process tree's CPU-seconds by role over its warm window,
+  the worker steps in that window ("window_steps") and its seconds ("window_seconds").
+
+  The window runs from the first progress line (`step N/T`) at or past a quarter of the run to
+  the last one: start-up, tracing, the final checkpoint, evaluation and export fall outside.
+  """
+  marks = []  # (steps finished, time, CPU by role) at each progress line
   with open(log, "w") as out:
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=tree, env=_tree_env(tree), stdout=out,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=tree, env=_tree_env(tree), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     with ProcessTreeCpu(proc.pid) as cpu:
+      for line in proc.stdout:
+        out.write(line)
+        m = _PROGRESS.match(line)
+        if m:
+          cpu.sample()
+          marks.append((int(m.group(1)), int(m.group(2)), time.time(), cpu.by_role()))
       rc = proc.wait()
-    wall = time.time() - t0
   if rc != 0:
     with open(log) as f:
       raise RuntimeError(f"{' '.join(cmd)} failed (exit {rc}):\n{f.read()[-3000:]}")
-  roles = cpu.by_role()
-  roles["wall"] = wall
+  warm = [m for m in marks if m[0] >= m[1] / 4]
+  if len(warm) < 2 or warm[-1][0] <= warm[0][0]:
+    raise RuntimeError(f"{' '.join(cmd)}: fewer than two progress lines after a quarter of the "
+                       f"run ({len(marks)} in all): run more --steps or a smaller --log_every")
+  (s0, _, t0, c0), (s1, _, t1, c1) = warm[0], warm[-1]
+  roles = {r: c1.get(r, 0.0) - c0.get(r, 0.0) for r in set(c0) | set(c1)}
+  roles.update(window_steps=s1 - s0, window_seconds=t1 - t0)
   return roles
+
+
+def binary_flags(mode: str, steps: int, model_dir: str, extra, num_workers: int,
+                 local_batch_size: int, log_every: int) -> List[str]:
+  """examples/train.py's flags for one run of `mode` (no stragglers)."""
+  flags = mode_qps.binary_flags(mode, "none", steps, model_dir, extra, num_workers,
+                                local_batch_size)
+  return [f for f in flags if not f.startswith("--log_every")] + [f"--log_every={log_every}"]
 
 
 def _binary_run(mode: str, steps: int, tree: str, out: str, extra, num_workers: int,
@@ -69,9 +100,7 @@ def _binary_run(mode: str, steps: int, tree: str, out: str, extra, num_workers: 
   model_dir = os.path.join(out, f"{mode}_{steps}")
   subprocess.run(["rm", "-rf", model_dir], check=True)
   os.makedirs(model_dir)
-  flags = mode_qps.binary_flags(mode, "none", steps, model_dir, extra, num_workers,
-                                local_batch_size)
-  flags = [f for f in flags if not f.startswith("--log_every")] + [f"--log_every={log_every}"]
+  flags = binary_flags(mode, steps, model_dir, extra, num_workers, local_batch_size, log_every)
   cost = _measure([sys.executable, os.path.join(tree, "examples", "train.py"), *flags], tree,
                   os.path.join(model_dir, "stdout.log"))
   with open(os.path.join(model_dir, "summary.json")) as f:
@@ -81,14 +110,14 @@ def _binary_run(mode: str, steps: int, tree: str, out: str, extra, num_workers: 
   return cost
 
 
-def _single_run(steps: int, tree: str, out: str, local_batch_size: int) -> dict:
+def _single_run(steps: int, tree: str, out: str, local_batch_size: int, log_every: int) -> dict:
   os.makedirs(out, exist_ok=True)
   return _measure([sys.executable, "-m", "benchmarks.step_cost", f"--_single_steps={steps}",
-                   f"--local_batch_size={local_batch_size}"], tree,
+                   f"--local_batch_size={local_batch_size}", f"--log_every={log_every}"], tree,
                   os.path.join(out, f"single_{steps}.log"))
 
 
-def single_process_fit(steps: int, local_batch_size: int) -> None:
+def single_process_fit(steps: int, local_batch_size: int, log_every: int) -> None:
   """`model.fit` of the binary's default model on its default data, one process, no strategy."""
   import tf_keras as keras  # pylint: disable=g-import-not-at-top
   from tf_gba import data as data_lib  # pylint: disable=g-import-not-at-top
@@ -102,12 +131,19 @@ def single_process_fit(steps: int, local_batch_size: int) -> None:
                 loss=keras.losses.BinaryCrossentropy())
   data = data_lib.make_dataset(config.data, split="train", batch_size=local_batch_size,
                                repeat=True, shuffle_seed=config.seed)
-  model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+
+  class Progress(keras.callbacks.Callback):  # the binary's progress lines, for the window
+
+    def on_epoch_end(self, epoch, logs=None):
+      print(f"step {(epoch + 1) * log_every}/{steps}", flush=True)
+
+  model.fit(data, epochs=steps // log_every, steps_per_epoch=log_every, verbose=0,
+            callbacks=[Progress()])
 
 
-def marginal(short: dict, long: dict, extra_steps: int) -> Dict[str, float]:
-  """ms of CPU per worker step by role (and "job", their sum) between two run lengths."""
-  per = {r: 1000.0 * (long.get(r, 0.0) - short.get(r, 0.0)) / extra_steps for r in ROLES}
+def per_step(cost: dict) -> Dict[str, float]:
+  """ms of CPU per worker step by role (and "job", their sum) over a run's warm window."""
+  per = {r: 1000.0 * cost.get(r, 0.0) / cost["window_steps"] for r in ROLES}
   per["job"] = sum(per.values())
   return per
 
@@ -129,11 +165,12 @@ def table(results: dict, single: Dict[str, float], local_batch_size: int) -> Lis
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--modes", default="gba,async_plain,sync",
+  p.add_argument("--modes", default="gba,async_plain,sync,single",
                  help="comma-separated binary modes (async_plain: TF's own async, the bare "
                       f"optimizer), and {SINGLE!r} for one process without a strategy")
-  p.add_argument("--steps", default="1000,3000",
-                 help="the two run lengths, in worker steps, whose difference is measured")
+  p.add_argument("--steps", type=int, default=4000,
+                 help="worker steps of each run; the window measured is from a quarter of them "
+                      "to the last progress line")
   p.add_argument("--num_workers", type=int, default=4)
   p.add_argument("--local_batch_size", type=int, default=256)
   p.add_argument("--log_every", type=int, default=100,
@@ -144,21 +181,20 @@ def main(argv=None):
                  help="comma-separated [name:]path of checkouts whose binaries are measured "
                       "side by side (each with its op libraries built)")
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_step_cost"))
+  p.add_argument("--dry_run", action="store_true",
+                 help="print the examples/train.py command of every run and exit")
   p.add_argument("--_single_steps", type=int, default=0, help=argparse.SUPPRESS)
   args, extra = p.parse_known_args(argv)
   if args._single_steps:  # pylint: disable=protected-access
-    single_process_fit(args._single_steps, args.local_batch_size)  # pylint: disable=protected-access
+    single_process_fit(args._single_steps, args.local_batch_size, args.log_every)  # pylint: disable=protected-access
     return None
   stray = [a for a in extra if not a.startswith("--")]
   if stray:
     p.error(f"unrecognized arguments: {' '.join(stray)} (the binary's flags, passed on, are "
             "--name=value)")
-  try:
-    short, long = (int(s) for s in args.steps.split(","))
-  except ValueError:
-    p.error(f"--steps takes two step counts, short,long; got {args.steps!r}")
-  if not 0 < short < long:
-    p.error(f"--steps: the second run length must be longer than the first; got {args.steps}")
+  if args.steps < 4 * args.log_every:
+    p.error(f"--steps={args.steps} leaves too few progress lines of --log_every="
+            f"{args.log_every} after a quarter of the run: use at least {4 * args.log_every}")
   trees = {}
   for item in args.trees.split(","):
     name, _, path = item.rpartition(":")
@@ -167,33 +203,50 @@ def main(argv=None):
       p.error(f"--trees: {path} has no examples/train.py")
     trees[name or os.path.basename(path)] = path
   modes = args.modes.split(",")
-  runs = {(t, m): {short: [], long: []} for t in trees for m in modes}
+  for mode in modes:
+    if mode not in (SINGLE, "async_plain"):
+      try:
+        mode_registry.get(mode)
+      except ValueError as e:
+        p.error(f"--modes: {e}")
+  if args.dry_run:
+    for mode in modes:
+      if mode != SINGLE:
+        print(shlex.join(["examples/train.py", *binary_flags(
+            mode, args.steps, os.path.join(args.out, "dry_run"), extra, args.num_workers,
+            args.local_batch_size, args.log_every)]))
+    return {}
+  runs = {(t, m): [] for t in trees for m in modes if m != SINGLE or t == next(iter(trees))}
   for rep in range(args.repeats):
-    for steps in (short, long):
-      for mode in modes:
-        for tname, tree in trees.items():
-          out = os.path.join(args.out, f"{tname}_{rep}")
-          if mode == SINGLE:
-            cost = _single_run(steps, tree, out, args.local_batch_size)
-          else:
-            cost = _binary_run(mode, steps, tree, out, extra, args.num_workers,
-                               args.local_batch_size, args.log_every)
-          runs[(tname, mode)][steps].append(cost)
-          print(f"  {tname:8s} {mode:12s} {steps:6d} steps: "
-                + "  ".join(f"{r} {cost.get(r, 0.0):.1f}s" for r in ROLES if cost.get(r))
-                + f"  wall {cost['wall']:.1f}s"
-                + (f"  QPS {cost['qps']:,.0f}" if cost.get("qps") else ""), flush=True)
+    for mode in modes:
+      for tname, tree in trees.items():
+        if (tname, mode) not in runs:
+          continue  # one process without a strategy: the same in every tree, run once
+        out = os.path.join(args.out, f"{tname}_{rep}")
+        if mode == SINGLE:
+          cost = _single_run(args.steps, ROOT, out, args.local_batch_size, args.log_every)
+        else:
+          cost = _binary_run(mode, args.steps, tree, out, extra, args.num_workers,
+                             args.local_batch_size, args.log_every)
+        runs[(tname, mode)].append(cost)
+        per = per_step(cost)
+        print(f"  {tname:8s} {mode:12s} rep {rep}: "
+              + "  ".join(f"{r} {per[r]:.2f}" for r in ROLES if per[r])
+              + f"  job {per['job']:.2f} ms/step over {cost['window_steps']} steps in "
+              f"{cost['window_seconds']:.1f} s"
+              + (f"  QPS {cost['qps']:,.0f}" if cost.get("qps") else ""), flush=True)
   results, single = {}, {}
-  for key, by_len in runs.items():
-    pairs = [marginal(s, l, long - short) for s, l in zip(by_len[short], by_len[long])]
-    per = {k: sum(p[k] for p in pairs) / len(pairs) for k in pairs[0]}
-    qps = [c["qps"] for c in by_len[long] if c.get("qps")]
+  for key, costs in runs.items():
+    pers = [per_step(c) for c in costs]
+    per = {k: sum(p[k] for p in pers) / len(pers) for k in pers[0]}
+    qps = [c["qps"] for c in costs if c.get("qps")]
     per["qps"] = sum(qps) / len(qps) if qps else None
     if key[1] == SINGLE:
-      single[key[0]] = per["job"]
+      single = {t: per["job"] for t in trees}
     results[key] = per
   load = os.getloadavg()
-  lines = [f"ms of CPU per worker step, marginal between {short} and {long} worker steps; "
+  lines = [f"ms of CPU per worker step over each run's warm window ({args.steps} worker steps "
+           "a run); "
            f"{args.num_workers} workers, local batch {args.local_batch_size}; "
            f"{args.repeats} repeat(s); load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
            "at the end", *table(results, single, args.local_batch_size)]
@@ -202,8 +255,7 @@ def main(argv=None):
   with open(os.path.join(args.out, "step_cost.json"), "w") as f:
     json.dump({"args": vars(args), "extra": extra,
                "results": {f"{t}/{m}": v for (t, m), v in results.items()},
-               "raw": {f"{t}/{m}": {str(k): v for k, v in by.items()}
-                       for (t, m), by in runs.items()}}, f, indent=1)
+               "raw": {f"{t}/{m}": costs for (t, m), costs in runs.items()}}, f, indent=1)
   return results
 
 
