@@ -95,10 +95,11 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     hop_bw_backup: b3 of "hop_bw": backup workers, i.e. each step takes the first N - b3
       gradients of the current version; default max(1, round(N / 5)).
     steps_per_execution: worker steps of one function that `model.fit` schedules, where
-      `compile()` was given no `steps_per_execution` (default 20; 1 in "hop_bs" and "hop_bw",
-      whose barriers refuse more): the coordinator's cost is per function (see
-      `tf_gba.distribute.steps_per_execution`). Each step reads its own batch, takes its own token
-      and pushes its own gradient.
+      `compile()` was given no `steps_per_execution` (default 1; "hop_bs" and "hop_bw", whose
+      barriers would wait on steps held in a function, refuse more): the coordinator's cost is
+      per function (see `tf_gba.distribute.steps_per_execution`). Each step reads its own batch,
+      takes its own token and pushes its own gradient; a worker that fails re-runs its whole
+      function, so up to that many steps are trained again.
 
   The barriers of "hop_bs" and "hop_bw" block workers; at each `join()` of the coordinator (the
   end of `fit`, a checkpoint; a plain `fit` joins at every epoch's end) the workers still blocked
@@ -155,7 +156,7 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     # in a user's script once).
     loader.load_all()
     super().__init__(cluster_resolver, variable_partitioner)
-    # Keras' steps-per-execution counter: here, not on a parameter server, and k by default
+    # Keras' steps-per-execution counter: here, not on a parameter server, with this default
     # (1 in the barrier modes, which refuse more).
     if mode in modes_lib.BARRIER_MODES:
       steps_per_execution = 1

@@ -378,11 +378,9 @@ class TrainConfig:
   @property
   def scheduled_steps(self) -> int:
     """Worker steps per function the coordinator schedules (--steps_per_execution): the flag, else
-    GBAStrategy's default for the mode (1 where a barrier waits on other workers' steps)."""
+    GBAStrategy's default (tf_gba.distribute.steps_per_execution.DEFAULT)."""
     if self.steps_per_execution is not None:
       return self.steps_per_execution
-    if self.strategy_mode in modes_lib.BARRIER_MODES:
-      return 1
     return steps_per_execution_lib.DEFAULT
 
   @property
