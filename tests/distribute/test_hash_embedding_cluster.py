@@ -124,17 +124,7 @@ def test_a_custom_loop_scheduled_on_the_workers_trains_the_table():
       model(POOL[:FIELDS][None])
     iterator = iter(coordinator.create_per_worker_dataset(lambda: dataset_fn()))
 
-    @tf.function
-    def step(it):
-      def replica_fn(batch):
-        ids, labels = batch
-        with tf.GradientTape() as tape:
-          loss = tf.reduce_mean(tf.square(model(ids, training=True) - labels))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-      return strategy.run(replica_fn, args=(next(it),))
-
+    step = _loop_step(strategy, model, optimizer)
     losses = [coordinator.schedule(step, args=(iterator,)) for _ in range(STEPS)]
     coordinator.join()
     assert all(np.isfinite(l.fetch()) for l in losses)
