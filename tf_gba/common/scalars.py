@@ -33,9 +33,3 @@ class ScalarWriter:
     function(tf.constant(int(step), tf.int64),
              [tf.constant(float(scalars[n]), tf.float64) for n in names])
     self.writer.flush()
-
-  def flush(self) -> None:
-    self.writer.flush()
-
-  def as_default(self, step=None):
-    return self.writer.as_default(step=step)
