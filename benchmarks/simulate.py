@@ -3,7 +3,10 @@
   python -m benchmarks.simulate [--num_workers=8,16,...,1024] [--num_ps=1] [--steps=1000]
                                 [--modes=sync,async,gba,bsp,hop_bs,hop_bw] [--stragglers=paper]
                                 [--compute_ms=100] [--pull_ms=5] [--push_ms=5] [--latency_ms=0.5]
-                                [--ps_push_ms=0] [--ps_apply_ms=0]
+                                [--ps_push_ms=0] [--ps_apply_ms=0] [--ps_ms_per_closure=0]
+                                [--ps_cores=1]
+                                [--coord_ms_per_closure=0] [--coord_ms_per_step=0]
+                                [--steps_per_execution=1]
                                 [--plots=docs/img] [--out=runs/bench_simulate]
 
 `--stragglers` takes the names of benchmarks/mode_qps.py's profiles (none, transient, dedicated),
@@ -104,6 +107,17 @@ def main(argv=None):
                       "benchmarks/ps_service.py measures it); 0: the PS's work is not modelled")
   p.add_argument("--ps_apply_ms", type=float, default=0.0,
                  help="PS service time of one aggregation + apply, whole model")
+  p.add_argument("--ps_ms_per_closure", type=float, default=0.0,
+                 help="PS CPU per scheduled closure beside its pushes, whole model")
+  p.add_argument("--ps_cores", type=int, default=1,
+                 help="cores of each PS: its pushes are served by that many cores in arrival order")
+  p.add_argument("--coord_ms_per_closure", type=float, default=0.0,
+                 help="the coordinator's CPU per scheduled closure of --steps_per_execution worker "
+                      "steps (one process, one core; gba, async, bsp); 0: not modelled")
+  p.add_argument("--coord_ms_per_step", type=float, default=0.0,
+                 help="the coordinator's CPU per worker step besides (progress lines)")
+  p.add_argument("--steps_per_execution", type=int, default=1,
+                 help="k: worker steps per scheduled closure")
   p.add_argument("--plots", default=None, help="folder for the PNG plots vs N (none if unset)")
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_simulate"))
   p.add_argument("--dry_run", action="store_true",
@@ -130,7 +144,12 @@ def main(argv=None):
                              bsp_aggregate=args.bsp_aggregate, hop_bs_bound=args.hop_bs_bound,
                              hop_bw_backup=args.hop_bw_backup,
                              delay_after_push=args.delay_after_push, work_ms=args.work_ms,
-                             ps_push_ms=args.ps_push_ms, ps_apply_ms=args.ps_apply_ms)
+                             ps_push_ms=args.ps_push_ms, ps_apply_ms=args.ps_apply_ms,
+                             ps_ms_per_closure=args.ps_ms_per_closure,
+                             ps_cores=args.ps_cores,
+                             coord_ms_per_closure=args.coord_ms_per_closure,
+                             coord_ms_per_step=args.coord_ms_per_step,
+                             steps_per_execution=args.steps_per_execution)
     except ValueError as e:
       p.error(str(e))
   if args.dry_run:
@@ -141,9 +160,18 @@ def main(argv=None):
   print(f"profile {profile}; compute {args.compute_ms} ms, pull {args.pull_ms} ms, push "
         f"{args.push_ms} ms (/ {args.num_ps} PS), latency {args.latency_ms} ms; "
         f"{args.steps} global batches of N x {args.local_batch_size}")
+  costs = configs[sizes[0]].queued
+  if costs:
+    print(f"PS: {args.ps_push_ms} ms per push + {args.ps_apply_ms} ms per aggregation (whole "
+          f"model) + {args.ps_ms_per_closure} ms per closure, {args.num_ps} PS x "
+          f"{args.ps_cores} cores; coordinator: "
+          f"{args.coord_ms_per_closure} ms per closure of {args.steps_per_execution} steps + "
+          f"{args.coord_ms_per_step} ms per step")
   print("| N | mode | global QPS | vs sync | effective QPS | global steps | mean / max staleness "
-        "| staleness histogram 0,1,2,3,4,5+ | dropped | idle | blocked s | simulated in |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "| staleness histogram 0,1,2,3,4,5+ | dropped | idle | blocked s | simulated in |"
+        + (" coordinator ms / step | PS ms / step | coordinator busy | each PS busy |"
+           if costs else ""))
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if costs else ""))
   for n in sizes:
     config = configs[n]
     sync_qps = None
@@ -163,8 +191,10 @@ def main(argv=None):
       print(f"| {n} | {mode} | {r.global_qps:,.0f} | {vs} | {r.effective_qps:,.0f} | "
             f"{r.global_steps:,} | {r.mean_staleness:.2f} / {r.max_staleness} | {hist} | "
             f"{r.dropped_batches:,} ({100.0 * r.dropped_batches / r.pushes:.1f}%) | "
-            f"{100 * r.idle_fraction:.1f}% | {r.blocked_seconds:,.0f} | {took:.1f} s |",
-            flush=True)
+            f"{100 * r.idle_fraction:.1f}% | {r.blocked_seconds:,.0f} | {took:.1f} s |"
+            + (f" {r.coordinator_ms_per_step:.3f} | {r.ps_ms_per_step:.3f} | "
+               f"{100 * r.coordinator_utilisation:.1f}% | {100 * r.ps_utilisation:.1f}% |"
+               if costs else ""), flush=True)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "results.json"), "w") as f:
     json.dump(rows, f, indent=2)

@@ -410,3 +410,205 @@ def test_defaults_are_those_of_the_real_modes():
     if n > 1:
       assert n - cfg.b3 == modes_lib.num_aggregate_for("hop_bw", n) == TrainConfig(
           mode="hop_bw", num_workers=n).num_aggregate
+
+
+# The coordinator and the parameter servers' cores (`coord_ms_per_closure`, `coord_ms_per_step`,
+# `steps_per_execution`, `ps_cores`, `ps_ms_per_closure`).
+
+
+def _reference_queues(compute, comm, k, closure, ps_push, ps_apply, ps_closure, m, cores,
+                      num_ps, pushes):
+  """An event-by-event reference of one coordinator and P servers of `cores` cores each.
+
+  Each worker has one next event: asking the coordinator for a closure of k steps, or its push
+  arriving. The earliest event goes first (pushes before requests at a tie, then the lower worker).
+  The coordinator serves requests one at a time for `closure` s; a push takes the core free
+  first for ps_push / P, the m-th push ps_apply / P more, the push ending a closure ps_closure / P
+  more. Returns {(worker, step): (start, finish)} and the busy seconds of the coordinator and of
+  the servers (one server's share)."""
+  n = compute.size
+  at = np.zeros(n)
+  kind = np.ones(n, np.int64) if closure > 0 else np.zeros(n, np.int64)  # 0 push, 1 request
+  start = np.zeros(n)
+  at[kind == 0] = comm + compute[kind == 0]
+  step = np.zeros(n, np.int64)
+  left = np.full(n, k)
+  core_free = np.zeros(cores)
+  coord_free = 0.0
+  busy = {"coordinator": 0.0, "ps": 0.0}
+  out = {}
+  served = 0
+  while served < pushes:
+    w = int(np.lexsort((np.arange(n), kind, at))[0])
+    if kind[w] == 1:
+      coord_free = max(at[w], coord_free) + closure
+      busy["coordinator"] += closure
+      left[w] = k
+      start[w] = coord_free
+      at[w], kind[w] = coord_free + comm + compute[w], 0
+      continue
+    served += 1
+    c = int(np.argmin(core_free))
+    service = ps_push / num_ps + (ps_apply / num_ps if served % m == 0 else 0.0)
+    service += ps_closure / num_ps if left[w] == 1 else 0.0
+    finish = max(at[w], core_free[c]) + service
+    busy["ps"] += service
+    core_free[c] = finish
+    out[(w, int(step[w]))] = (float(start[w]), finish)
+    step[w] += 1
+    left[w] -= 1
+    if left[w] == 0 and closure > 0:
+      at[w], kind[w] = finish, 1
+    else:
+      left[w] = left[w] or k
+      start[w] = finish
+      at[w] = finish + comm + compute[w]
+  return out, busy
+
+
+def _by_step(ev):
+  return {(int(w), int(i)): (float(s), float(f))
+          for w, i, s, f in zip(ev.worker, ev.index, ev.start, ev.finish)}
+
+
+@pytest.mark.parametrize("mode,m", [("gba", 5), ("async", 1)])
+@pytest.mark.parametrize("k,closure,cores,num_ps", [(1, 4.0, 1, 1), (3, 7.0, 2, 1),
+                                                    (4, 0.0, 3, 2), (2, 25.0, 1, 3)])
+def test_coordinator_and_ps_cores_match_a_reference(mode, m, k, closure, cores, num_ps):
+  # Persistent stragglers (deterministic): worker 0 twice as slow, worker 3 three times.
+  config = SimConfig(num_workers=5, steps=24, compute_ms=40, pull_ms=2, push_ms=3, latency_ms=0.5,
+                     stragglers="persistent:2@0+persistent:3@3", num_ps=num_ps, ps_push_ms=6,
+                     ps_apply_ms=9, ps_ms_per_closure=2, ps_cores=cores,
+                     coord_ms_per_closure=closure, steps_per_execution=k)
+  r = simulate(mode, config)
+  compute = np.full(5, 0.040)
+  compute[0] *= 2
+  compute[3] *= 3
+  comm = (1.0 + 5 / num_ps) * 1e-3
+  want, busy = _reference_queues(compute, comm, k, closure * 1e-3, 6e-3, 9e-3, 2e-3, m, cores,
+                                 num_ps, r.pushes)
+  got = _by_step(r.extra["events"])
+  for key, value in want.items():
+    assert got[key] == pytest.approx(value, abs=1e-9), key
+  done = sorted(f for _, f in want.values())
+  assert r.seconds == pytest.approx(done[r.pushes - 1], abs=1e-9)
+
+
+def _flat(**kw):
+  """No stragglers, no transfer times: a worker step is compute_ms exactly."""
+  return dict(pull_ms=0, push_ms=0, latency_ms=0, local_batch_size=10, **kw)
+
+
+@pytest.mark.parametrize("n,k,closure_ms", [(4, 1, 2.0), (4, 1, 5.0), (8, 5, 4.0), (30, 5, 4.0),
+                                            (16, 20, 0.5)])
+def test_coordinator_closed_form(n, k, closure_ms):
+  # Workers of T = 10 ms steps ask for closures of k steps; the coordinator dispatches one in
+  # s ms. Unsaturated (N s <= k T + s) each worker cycles in k T + s; saturated, the coordinator
+  # dispatches 1 / s closures per ms. Closures per ms = min(N / (k T + s), 1 / s).
+  t = 10.0
+  # Enough closures per worker that the ones in flight at the cut weigh under 1 %.
+  r = simulate("gba", SimConfig(num_workers=n, steps=max(400, 100 * k), compute_ms=t,
+                                coord_ms_per_closure=closure_ms, steps_per_execution=k,
+                                **_flat()))
+  rate = min(n / (k * t + closure_ms), 1 / closure_ms)   # closures per ms
+  assert r.global_qps == pytest.approx(1e3 * rate * k * 10, rel=0.01)
+  # Utilisation = rate x service time; CPU per worker step = s / k.
+  assert r.coordinator_utilisation == pytest.approx(rate * closure_ms, rel=0.01)
+  assert r.coordinator_ms_per_step == pytest.approx(closure_ms / k, rel=0.01)
+  assert r.ps_ms_per_step == 0 and r.ps_utilisation == 0
+
+
+def test_coordinator_per_step_cost_is_charged_per_closure():
+  # 2 ms per closure + 0.25 ms per step, k = 4: a dispatch takes 3 ms, 0.75 ms per step.
+  a = simulate("gba", SimConfig(num_workers=40, steps=200, compute_ms=10, coord_ms_per_closure=2,
+                                coord_ms_per_step=0.25, steps_per_execution=4, **_flat()))
+  b = simulate("gba", SimConfig(num_workers=40, steps=200, compute_ms=10, coord_ms_per_closure=3,
+                                steps_per_execution=4, **_flat()))
+  assert a.global_qps == b.global_qps
+  assert a.coordinator_ms_per_step == pytest.approx(0.75, rel=0.01)
+  assert a.global_qps == pytest.approx(1e3 / 3 * 4 * 10, rel=0.01)   # saturated: 40 s > 43 ms
+
+
+@pytest.mark.parametrize("n,cores,num_ps", [(3, 4, 1), (4, 4, 1), (64, 1, 1), (64, 4, 1),
+                                            (64, 4, 2), (300, 16, 1)])
+def test_ps_cores_closed_form(n, cores, num_ps):
+  # A push takes p = 2 ms of one core (p / P of each server's); workers compute T = 20 ms. With
+  # N <= c nobody queues (each worker cycles in T + p / P); saturated, c P / p pushes per ms.
+  t, p = 20.0, 2.0
+  r = simulate("gba", SimConfig(num_workers=n, steps=300, compute_ms=t, ps_push_ms=p,
+                                ps_cores=cores, num_ps=num_ps, **_flat()))
+  own = n / (t + p / num_ps)
+  cap = cores * num_ps / p
+  if n <= cores:
+    assert r.global_qps == pytest.approx(1e3 * own * 10, rel=1e-9)
+  if n * p / num_ps >= 2 * cores * (t + p / num_ps):
+    assert r.global_qps == pytest.approx(1e3 * cap * 10, rel=0.01)
+  rate = r.global_qps / 10 / 1e3   # pushes per ms
+  assert r.ps_utilisation == pytest.approx(rate * (p / num_ps) / cores, rel=0.01)
+  assert r.ps_ms_per_step == pytest.approx(p, rel=0.01)
+  assert r.global_qps <= 1e3 * min(own, cap) * 10 * (1 + 1e-9)
+
+
+def test_ps_cpu_per_step_is_push_plus_aggregation_over_m_plus_closure_over_k():
+  r = simulate("gba", SimConfig(num_workers=8, steps=200, compute_ms=50, ps_push_ms=1.5,
+                                ps_apply_ms=4, ps_ms_per_closure=3, steps_per_execution=5,
+                                ps_cores=2, num_ps=2, gba_num_aggregate=4, **_flat()))
+  assert r.ps_ms_per_step == pytest.approx(1.5 + 4 / 4 + 3 / 5, rel=0.01)
+
+
+def test_zero_costs_leave_every_figure_unchanged():
+  # k and the cores change nothing while the costs they scale are 0: the unqueued model's
+  # figures, exactly, with and without the PS service times.
+  for extra in ({}, {"ps_push_ms": 0.11, "ps_apply_ms": 3.9}):
+    base = SimConfig(num_workers=16, steps=40, stragglers="compute:100+transient:0.1:4",
+                     **extra)
+    want = simulate("gba", base).as_dict()
+    got = simulate("gba", dataclasses.replace(base, steps_per_execution=20,
+                                              ps_cores=1)).as_dict()
+    assert got == want
+  plain = SimConfig()
+  assert not plain.queued and plain.closure_ms == 0 and plain.ps_cores == 1
+  r = simulate("gba", SimConfig(num_workers=8, steps=20))
+  assert (r.coordinator_ms_per_step, r.ps_ms_per_step, r.coordinator_utilisation,
+          r.ps_utilisation) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"ps_cores": 0}, "ps_cores"), ({"steps_per_execution": 0}, "steps_per_execution"),
+    ({"coord_ms_per_closure": -1}, "coord_ms_per_closure"),
+    ({"ps_ms_per_closure": -1}, "ps_ms_per_closure"),
+])
+def test_bad_cost_configuration(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    SimConfig(**kwargs)
+
+
+def test_coordinator_cost_refused_for_modes_without_it():
+  with pytest.raises(ValueError, match="not hop_bw"):
+    simulate("hop_bw", SimConfig(num_workers=4, steps=2, coord_ms_per_closure=1))
+  a = simulate("sync", SimConfig(num_workers=4, steps=5, coord_ms_per_closure=1))
+  assert a.global_qps == simulate("sync", SimConfig(num_workers=4, steps=5)).global_qps
+
+
+def test_largest_is_the_edge_of_a_monotone_predicate():
+  from benchmarks import sim_capacity  # pylint: disable=g-import-not-at-top
+  for edge in (1, 2, 3, 37, 64, 65, 1000):
+    calls = []
+    assert sim_capacity.largest(lambda n, e=edge: calls.append(n) or n <= e, 4096) == edge
+    assert len(calls) <= 2 * np.log2(edge + 1) + 2
+  assert sim_capacity.largest(lambda n: False, 100) == 0
+  assert sim_capacity.largest(lambda n: True, 100) == 100
+
+
+def test_largest_workers_is_the_coordinator_s_closed_form():
+  # Flat 10 ms steps, s ms per closure of one step: QPS over the workers' own is
+  # min(T / (T + s), T / (N s)), at least 0.9 up to N = T / (0.9 s) = 105.3 for s = 0.1055.
+  from benchmarks import sim_capacity  # pylint: disable=g-import-not-at-top
+  n = sim_capacity.largest_workers(dict(coord_ms_per_closure=0.1055), 0.9, 4096, steps=300,
+                                   compute_ms=10, **_flat())
+  assert abs(n - 105) <= 1
+  # The PS's: c = 4 cores, p = 2 ms pushes, workers of T = 20 ms steps. The QPS over the workers'
+  # own (N / T) is min(T / (T + p), c T / (N p)): 0.909 up to N = 44, then c T / (0.9 p) = 44.4.
+  n = sim_capacity.largest_workers(dict(ps_push_ms=2.0, ps_cores=4), 0.9, 4096, steps=300,
+                                   compute_ms=20, **_flat())
+  assert abs(n - 44) <= 1

@@ -9,8 +9,11 @@ gradient. Its duration is
 compute is `compute_ms` or the profile's `compute:<ms>` floor, whichever is larger, and factor is
 the straggler slowdown of that worker at that step, taken from the project's own profiles
 (`tf_gba.distribute.stragglers.parse` and the `GBA>StragglerFactors` op, which shares its draw
-with the op that slows real workers). The PS's own work (aggregating, applying) is not modelled:
-it runs while workers compute.
+with the op that slows real workers). The PS's own work (aggregating, applying) and the
+coordinator's are not modelled by default; with their costs set (`ps_push_ms`, `ps_apply_ms`,
+`ps_cores`, `coord_ms_per_closure`, `coord_ms_per_step`, `steps_per_execution`) the pushes queue
+on the P parameter servers' c cores and every closure of k worker steps waits for the one
+coordinator process to dispatch it (`_queued_free_running`).
 
 The modes (SPEC section 1, "Baselines"):
   sync    every step waits for all N workers (all-reduce); staleness 0.
@@ -83,13 +86,28 @@ class SimConfig:
   # all P servers together; benchmarks/ps_service.py measures them from the real ops).
   ps_push_ms: float = 0.0
   ps_apply_ms: float = 0.0
+  # The parameter servers' CPU per scheduled closure beside its pushes (the function's own reads
+  # and updates on the servers: Keras' step counter and loss metric), served with the push that
+  # ends the closure.
+  ps_ms_per_closure: float = 0.0
+  # Cores of each parameter server: its pushes are served by c cores in arrival order (a push, and
+  # the aggregation it runs, on one core).
+  ps_cores: int = 1
+  # The coordinator, one process on one core: the CPU it spends to dispatch one scheduled closure
+  # of `steps_per_execution` (k) worker steps, and per worker step besides (progress lines and
+  # other per-step bookkeeping, charged at the closure's dispatch). Closures are dispatched in the
+  # order the workers ask for them; a worker starts a closure's first step when its dispatch ends.
+  coord_ms_per_closure: float = 0.0
+  coord_ms_per_step: float = 0.0
+  steps_per_execution: int = 1
 
   def __post_init__(self):
-    for name in ("num_workers", "num_ps", "steps", "local_batch_size"):
+    for name in ("num_workers", "num_ps", "steps", "local_batch_size", "ps_cores",
+                 "steps_per_execution"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
     for name in ("compute_ms", "pull_ms", "push_ms", "latency_ms", "work_ms", "ps_push_ms",
-                 "ps_apply_ms"):
+                 "ps_apply_ms", "ps_ms_per_closure", "coord_ms_per_closure", "coord_ms_per_step"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
     if self.iota < 0:
@@ -109,7 +127,17 @@ class SimConfig:
   @property
   def ps_service(self) -> bool:
     """Whether the parameter servers' own work is modelled (a queue per PS)."""
-    return self.ps_push_ms > 0 or self.ps_apply_ms > 0
+    return self.ps_push_ms > 0 or self.ps_apply_ms > 0 or self.ps_ms_per_closure > 0
+
+  @property
+  def closure_ms(self) -> float:
+    """The coordinator's CPU to dispatch one closure of k worker steps."""
+    return self.coord_ms_per_closure + self.steps_per_execution * self.coord_ms_per_step
+
+  @property
+  def queued(self) -> bool:
+    """Whether the PS's or the coordinator's work is modelled (the event-driven timeline)."""
+    return self.ps_service or self.closure_ms > 0
 
   @property
   def b2(self) -> int:
@@ -137,6 +165,9 @@ class Events:
                          # blocked)
   end: np.ndarray        # when the worker is free after this step (= finish unless the
                          # slowdown comes after the push)
+  # The queued model's busy intervals, seconds: "ps" (one server's share of each push, on one of
+  # its cores) and "coordinator" (each closure's dispatch), each an array [start, end] x count.
+  busy: Optional[Dict[str, np.ndarray]] = None
 
 
 @dataclasses.dataclass
@@ -155,7 +186,15 @@ class SimResult:
   dropped_batches: int
   idle_fraction: float        # of N x seconds, workers neither pulling, computing nor pushing
   per_worker_steps: List[int]
-  blocked_seconds: float = 0.0   # hop_bs: time blocked at the barrier, summed over workers
+  blocked_seconds: float = 0.0   # time blocked at a barrier (hop_bs) or waiting for the
+                                 # coordinator's dispatch, summed over workers
+  # The queued model (PS or coordinator costs set), over [0, seconds]: CPU per worker step pushed
+  # (ms; "ps": all P servers together) and utilisation (busy time / (cores x seconds); "ps": of
+  # each server, all alike).
+  coordinator_ms_per_step: float = 0.0
+  ps_ms_per_step: float = 0.0
+  coordinator_utilisation: float = 0.0
+  ps_utilisation: float = 0.0
   max_lead: Optional[int] = None
   extra: Dict = dataclasses.field(default_factory=dict)
 
@@ -315,19 +354,37 @@ class _FactorCache:
     return float(self._blocks[b][step % self._block, worker])
 
 
+_PUSH, _DISPATCH = 0, 1
+
+
 def _queued_free_running(config: SimConfig, dur: _Durations, num_aggregate: int) -> Events:
-  """Free-running workers whose pushes queue on the parameter servers (`ps_push_ms`,
-  `ps_apply_ms`): served in arrival order, the M-th push of a global batch also aggregates and
-  applies; a worker starts its next step when its push returns."""
+  """Free-running workers whose pushes queue on the parameter servers and whose closures queue on
+  the coordinator.
+
+  Pushes are served in arrival order by the first free of each server's c cores (`ps_push_ms / P`,
+  the M-th push of a global batch `ps_apply_ms / P` more: the aggregation and apply, and the push
+  that ends a closure of k steps `ps_ms_per_closure / P` more); the P
+  servers serve equal shares of every push in the same order, so they are one queue of those
+  service times. A worker starts its next step when its push returns. With the coordinator's cost
+  set, a worker asks for a closure of k steps when it is free after the last one, the coordinator
+  serves the requests in order, one at a time (`closure_ms`), and the closure's first step starts
+  when its dispatch ends. Busy intervals are in `Events.busy`.
+  """
   n, target = config.num_workers, config.steps * config.num_workers
   p = config.num_ps
   push_service = config.ps_push_ms * 1e-3 / p
   apply_service = config.ps_apply_ms * 1e-3 / p
+  ps_closure_service = config.ps_ms_per_closure * 1e-3 / p
+  closure_service = config.closure_ms * 1e-3
+  k = config.steps_per_execution
   factors = _FactorCache(dur, n)
-  rows = {k: [] for k in ("worker", "index", "start", "finish", "ready", "end")}
+  rows = {k_: [] for k_ in ("worker", "index", "start", "finish", "ready", "end")}
+  ps_busy, coord_busy = [], []
   step_of = [0] * n
   start_of = [0.0] * n
+  ready_of = [0.0] * n     # when the worker was free before this step (waits for a dispatch)
   compute_of = [0.0] * n   # the step's slowdown-scaled compute
+  left_of = [k] * n        # steps left in the worker's closure
 
   def begin(w: int, t: float):
     f = factors(w, step_of[w], t)
@@ -337,34 +394,85 @@ def _queued_free_running(config: SimConfig, dur: _Durations, num_aggregate: int)
       return t + dur.pull + dur.work + dur.push
     return t + dur.pull + dur.compute * f + dur.push
 
-  heap = [(begin(w, 0.0), w) for w in range(n)]
+  if closure_service > 0:
+    heap = [(0.0, _DISPATCH, w) for w in range(n)]
+  else:
+    heap = [(begin(w, 0.0), _PUSH, w) for w in range(n)]
   heapq.heapify(heap)
-  ps_free = 0.0
+  cores = [0.0] * config.ps_cores   # when each core of a server is free (a heap)
+  coord_free = 0.0
   served = 0
-  while served < target:
-    arrival, w = heapq.heappop(heap)
+  # The `target` earliest finishes so far (negated, a max-heap): the run is cut at the largest.
+  earliest: List[float] = []
+  while heap:
+    t, kind, w = heap[0]
+    if served >= target and t > -earliest[0]:
+      break   # every later event is past the cut: no push still to come finishes before it
+    heapq.heappop(heap)
+    if kind == _DISPATCH:
+      begin_at = max(t, coord_free)
+      coord_free = begin_at + closure_service
+      coord_busy.append((begin_at, coord_free))
+      left_of[w] = k
+      ready_of[w] = t
+      heapq.heappush(heap, (begin(w, coord_free), _PUSH, w))
+      continue
     served += 1
-    finish = max(arrival, ps_free) + push_service
+    serve_at = max(t, heapq.heappop(cores))
+    finish = serve_at + push_service
     if served % num_aggregate == 0:
       finish += apply_service
-    ps_free = finish
+    if left_of[w] == 1:
+      finish += ps_closure_service
+    heapq.heappush(cores, finish)
+    ps_busy.append((serve_at, finish))
+    if len(earliest) < target:
+      heapq.heappush(earliest, -finish)
+    elif finish < -earliest[0]:
+      heapq.heapreplace(earliest, -finish)
     start = start_of[w]
     # The slowdown after the push (injected stragglers): free once the padded step is over.
     end = max(finish, start + compute_of[w]) if dur.after_push else finish
     for key, value in (("worker", w), ("index", step_of[w]), ("start", start),
-                       ("finish", finish), ("ready", start), ("end", end)):
+                       ("finish", finish), ("ready", ready_of[w]), ("end", end)):
       rows[key].append(value)
     step_of[w] += 1
-    heapq.heappush(heap, (begin(w, end), w))
+    left_of[w] -= 1
+    if left_of[w] == 0 and closure_service > 0:
+      heapq.heappush(heap, (end, _DISPATCH, w))
+    else:
+      left_of[w] = left_of[w] or k
+      ready_of[w] = end
+      heapq.heappush(heap, (begin(w, end), _PUSH, w))
   # Steps in flight at the end: started, not yet served (their pushes come after the cut).
-  for arrival, w in heap:
-    for key, value in (("worker", w), ("index", step_of[w]), ("start", start_of[w]),
-                       ("finish", max(arrival, ps_free) + push_service), ("ready", start_of[w]),
-                       ("end", max(arrival, ps_free) + push_service)):
-      rows[key].append(value)
+  for t, kind, w in heap:
+    if kind == _PUSH:
+      finish = max(t, cores[0]) + push_service
+      for key, value in (("worker", w), ("index", step_of[w]), ("start", start_of[w]),
+                         ("finish", finish), ("ready", ready_of[w]), ("end", finish)):
+        rows[key].append(value)
+  busy = {"ps": np.asarray(ps_busy, np.float64).reshape(-1, 2),
+          "coordinator": np.asarray(coord_busy, np.float64).reshape(-1, 2)}
   return Events(np.asarray(rows["worker"], np.int32), np.asarray(rows["index"], np.int32),
                 np.asarray(rows["start"]), np.asarray(rows["finish"]), None,
-                np.asarray(rows["ready"]), np.asarray(rows["end"]))
+                np.asarray(rows["ready"]), np.asarray(rows["end"]), busy)
+
+
+def _busy_within(intervals: np.ndarray, end: float) -> float:
+  """Seconds of `intervals` ([start, end] rows) that lie within [0, end]."""
+  return float(np.clip(np.minimum(intervals[:, 1], end) - np.minimum(intervals[:, 0], end), 0.0,
+                       None).sum())
+
+
+def _add_costs(result: SimResult, config: SimConfig, busy: Dict[str, np.ndarray]) -> None:
+  """Per-role CPU per worker step and utilisation of the queued model, over the run's window."""
+  end, pushes = result.seconds, max(1, result.pushes)
+  ps = _busy_within(busy["ps"], end)
+  coord = _busy_within(busy["coordinator"], end)
+  result.ps_ms_per_step = 1e3 * ps * config.num_ps / pushes
+  result.coordinator_ms_per_step = 1e3 * coord / pushes
+  result.ps_utilisation = ps / (config.ps_cores * end)
+  result.coordinator_utilisation = coord / end
 
 
 def _blocked_seconds(ev: Events, end: float) -> float:
@@ -507,14 +615,17 @@ def simulate(mode: str, config: SimConfig) -> SimResult:
   dur = _Durations(config)
   if mode == "sync":
     return _sync(config, dur)
-  if config.ps_service and mode in _QUEUED:
+  if config.queued and mode in _QUEUED:
     cfg = buffer_config(mode, config)
     ev = _queued_free_running(config, dur, cfg.num_aggregate)
-    return _buffered(mode, config, ev, cfg, tokens_from_generator=True)
-  if config.ps_service:
-    raise ValueError(f"PS service times (ps_push_ms, ps_apply_ms) are modelled for "
-                     f"{', '.join(_QUEUED)} and sync (no PS), not {mode}: leave them at 0 for "
-                     f"{mode}.")
+    result = _buffered(mode, config, ev, cfg, tokens_from_generator=True)
+    _add_costs(result, config, ev.busy)
+    return result
+  if config.queued:
+    raise ValueError(f"PS service times (ps_push_ms, ps_apply_ms) and the coordinator's costs "
+                     f"(coord_ms_per_closure, coord_ms_per_step) are modelled for "
+                     f"{', '.join(_QUEUED)} and sync (no PS, no coordinator), not {mode}: leave "
+                     f"them at 0 for {mode}.")
   if mode == "hop_bw":
     return _hop_bw(config, dur)
   bound = config.hop_bs_bound if mode == "hop_bs" else None

@@ -1,0 +1,122 @@
+"""How many workers one coordinator and P parameter servers of c cores drive, by simulation.
+
+  python -m benchmarks.sim_capacity [--costs=before,after_k1,after_k20] [--num_ps=1,2,4,8]
+                                    [--ps_cores=1,4,16] [--fraction=0.9] [--stragglers=paper]
+                                    [--steps=200] [--max_workers=65536] [--out=...]
+
+For each set of measured per-role costs (COSTS: the coordinator's CPU per closure and per step,
+the PS's per push, per aggregation and per closure, k steps per closure), each P and each c: the
+largest N for which GBA's simulated global QPS is at least `fraction` of the workers' own, that is
+of the same N workers simulated without those costs (same profile, same P: the pull and push
+transfers are split over the servers). N is searched by doubling, then bisection, which assumes
+that the fraction falls as N grows (the coordinator and the servers are queues of fixed
+capacity). See docs/simulator.md, "The coordinator and the parameter servers' CPU".
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+from typing import Callable, Dict
+
+from benchmarks.simulate import profile_string
+from tf_gba.simulate import SimConfig, simulate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Per-role CPU in ms, whole model (all PS together), fitted from benchmarks.step_cost at N = 4,
+# 1 PS, DeepFM, local batch 256 (docs/simulator.md, "The coordinator and the parameter servers'
+# CPU"): the coordinator's per closure and per worker step, the PS's per push (with its RPC),
+# per aggregation (the ops' own, benchmarks/ps_service.py) and per closure.
+COSTS: Dict[str, dict] = {
+    # The base commit 26215b6, one step per closure.
+    "before": dict(coord_ms_per_closure=5.87, coord_ms_per_step=0.0, steps_per_execution=1,
+                   ps_push_ms=5.67, ps_apply_ms=3.92, ps_ms_per_closure=0.0),
+    # This tree, one step per closure (the default).
+    "after_k1": dict(coord_ms_per_closure=5.87, coord_ms_per_step=0.0, steps_per_execution=1,
+                     ps_push_ms=5.67, ps_apply_ms=3.92, ps_ms_per_closure=0.0),
+    # This tree, --steps_per_execution=20.
+    "after_k20": dict(coord_ms_per_closure=5.87, coord_ms_per_step=0.0, steps_per_execution=20,
+                      ps_push_ms=5.67, ps_apply_ms=3.92, ps_ms_per_closure=0.0),
+}
+
+
+def kept_fraction(n: int, costs: dict, **config) -> float:
+  """GBA's simulated QPS of `n` workers with `costs`, over the same workers' without them."""
+  base = SimConfig(num_workers=n, **config)
+  own = simulate("gba", base).global_qps
+  return simulate("gba", dataclasses.replace(base, **costs)).global_qps / own
+
+
+def largest(ok: Callable[[int], bool], limit: int) -> int:
+  """The largest n in [1, limit] with ok(n), for ok true up to some n and false beyond; 0 if
+  ok(1) is false, `limit` if ok(limit)."""
+  if not ok(1):
+    return 0
+  lo = 1
+  while lo < limit:           # doubling: ok(lo), and ok(hi) is false or hi is past the limit
+    hi = min(2 * lo, limit)
+    if not ok(hi):
+      break
+    lo = hi
+  else:
+    return limit
+  while hi - lo > 1:          # ok(lo), not ok(hi)
+    mid = (lo + hi) // 2
+    if ok(mid):
+      lo = mid
+    else:
+      hi = mid
+  return lo
+
+
+def largest_workers(costs: dict, fraction: float, limit: int, **config) -> int:
+  return largest(lambda n: kept_fraction(n, costs, **config) >= fraction, limit)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--costs", default=",".join(COSTS), help=f"comma-separated, of {list(COSTS)}")
+  p.add_argument("--num_ps", default="1,2,4,8")
+  p.add_argument("--ps_cores", default="1,4,16")
+  p.add_argument("--fraction", type=float, default=0.9)
+  p.add_argument("--stragglers", default="paper")
+  p.add_argument("--compute_ms", type=float, default=100.0)
+  p.add_argument("--pull_ms", type=float, default=5.0)
+  p.add_argument("--push_ms", type=float, default=5.0)
+  p.add_argument("--steps", type=int, default=200, help="global batches of N x B per run")
+  p.add_argument("--max_workers", type=int, default=65536)
+  p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_sim_capacity"))
+  args = p.parse_args(argv)
+  names = args.costs.split(",")
+  for name in names:
+    if name not in COSTS:
+      p.error(f"--costs: {name!r} is not one of {list(COSTS)}")
+  ps_list = [int(x) for x in args.num_ps.split(",")]
+  cores_list = [int(x) for x in args.ps_cores.split(",")]
+  config = dict(steps=args.steps, stragglers=profile_string(args.stragglers),
+                compute_ms=args.compute_ms, pull_ms=args.pull_ms, push_ms=args.push_ms)
+  print(f"largest N with GBA's QPS >= {args.fraction} x the workers' own; "
+        f"{config['stragglers']}, pull {args.pull_ms} ms, push {args.push_ms} ms, "
+        f"{args.steps} global batches")
+  print("| costs | " + " | ".join(f"{ps} PS x {c} cores" for ps in ps_list for c in cores_list)
+        + " |")
+  print("|---|" + "---|" * (len(ps_list) * len(cores_list)))
+  rows = []
+  for name in names:
+    cells = []
+    for ps in ps_list:
+      for c in cores_list:
+        costs = dict(COSTS[name], ps_cores=c)
+        n = largest_workers(costs, args.fraction, args.max_workers, num_ps=ps, **config)
+        rows.append(dict(costs=name, num_ps=ps, ps_cores=c, largest_workers=n, **costs))
+        cells.append(str(n))
+    print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+  return rows
+
+
+if __name__ == "__main__":
+  main()
