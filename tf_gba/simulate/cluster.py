@@ -100,10 +100,13 @@ class SimConfig:
   coord_ms_per_closure: float = 0.0
   coord_ms_per_step: float = 0.0
   steps_per_execution: int = 1
+  # Closures the coordinator dispatches at once (1: one Python process). As many as workers: the
+  # dispatch is a latency that never queues (benchmarks.sim_capacity's reference).
+  coordinator_cores: int = 1
 
   def __post_init__(self):
     for name in ("num_workers", "num_ps", "steps", "local_batch_size", "ps_cores",
-                 "steps_per_execution"):
+                 "steps_per_execution", "coordinator_cores"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
     for name in ("compute_ms", "pull_ms", "push_ms", "latency_ms", "work_ms", "ps_push_ms",
@@ -400,7 +403,7 @@ def _queued_free_running(config: SimConfig, dur: _Durations, num_aggregate: int)
     heap = [(begin(w, 0.0), _PUSH, w) for w in range(n)]
   heapq.heapify(heap)
   cores = [0.0] * config.ps_cores   # when each core of a server is free (a heap)
-  coord_free = 0.0
+  coord = [0.0] * config.coordinator_cores   # the same for the coordinator
   served = 0
   # The `target` earliest finishes so far (negated, a max-heap): the run is cut at the largest.
   earliest: List[float] = []
@@ -410,12 +413,13 @@ def _queued_free_running(config: SimConfig, dur: _Durations, num_aggregate: int)
       break   # every later event is past the cut: no push still to come finishes before it
     heapq.heappop(heap)
     if kind == _DISPATCH:
-      begin_at = max(t, coord_free)
-      coord_free = begin_at + closure_service
-      coord_busy.append((begin_at, coord_free))
+      begin_at = max(t, heapq.heappop(coord))
+      dispatched = begin_at + closure_service
+      heapq.heappush(coord, dispatched)
+      coord_busy.append((begin_at, dispatched))
       left_of[w] = k
       ready_of[w] = t
-      heapq.heappush(heap, (begin(w, coord_free), _PUSH, w))
+      heapq.heappush(heap, (begin(w, dispatched), _PUSH, w))
       continue
     served += 1
     serve_at = max(t, heapq.heappop(cores))
@@ -472,7 +476,7 @@ def _add_costs(result: SimResult, config: SimConfig, busy: Dict[str, np.ndarray]
   result.ps_ms_per_step = 1e3 * ps * config.num_ps / pushes
   result.coordinator_ms_per_step = 1e3 * coord / pushes
   result.ps_utilisation = ps / (config.ps_cores * end)
-  result.coordinator_utilisation = coord / end
+  result.coordinator_utilisation = coord / (config.coordinator_cores * end)
 
 
 def _blocked_seconds(ev: Events, end: float) -> float:
