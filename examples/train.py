@@ -76,9 +76,11 @@ def define_flags() -> None:
   flags.DEFINE_integer("steps_per_execution", None,
                        "Parameter-server modes: worker steps run by one function the coordinator "
                        "schedules (each step its own batch, token and push); fewer functions cost "
-                       "the coordinator less CPU per step (20: about a fifth of one step per "
-                       "function), but a worker that fails re-runs its whole function: up to that "
-                       "many steps trained again. Unset: 1. hop_bs and hop_bw refuse more than 1.")
+                       "the coordinator less CPU per step. Unset: with --input=shared, 20, or "
+                       "fewer where an interval (--log_every) has fewer than 20 per worker (a "
+                       "function run again after its worker failed skips the steps already "
+                       "done); 1 with --input=sharded (a re-run trains its whole function again) "
+                       "and in hop_bs and hop_bw, which refuse more than 1.")
   flags.DEFINE_float("learning_rate", 0.001, "Adam learning rate (the same in every mode).")
   flags.DEFINE_integer("embedding_dim", 8, "Embedding width.")
   flags.DEFINE_enum("embedding", "vocab", ["vocab", "hash"],

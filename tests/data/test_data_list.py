@@ -206,3 +206,37 @@ def test_config_input_and_steps():
 
 
 # A killed tf.data worker is drilled through the binary: tests/test_fault_drills.py.
+
+
+def test_a_function_run_again_skips_the_steps_its_first_run_finished(tmp_path):
+  """ParameterServerStrategy runs a function again, with the same arguments, when its worker
+  fails. The ledger on the parameter server says how many of the function's steps are done: set
+  here as a failed run would have left it (function 0: 3 of its 4 steps trained; function 1:
+  all 4), the functions scheduled train only the steps left, each reading, pushing and counting
+  one batch; function 2, never run before, trains all 4."""
+  rows = 16 * 48
+  with LocalCluster(num_ps=1, num_workers=WORKERS, num_tfdata_workers=1) as cluster:
+    cfg, strategy, model, optimizer = _setup(tmp_path, cluster, "shared", rows=rows, steps=24,
+                                             stragglers="none", steps_per_execution=4)
+    shared = shared_input.SharedInput(cfg, strategy, cluster.tfdata_dispatcher, {},
+                                      rows=_rows(rows))
+    shared.install_train_function(model)
+    train = model.make_train_function()
+    iterator = iter(shared.coordinator.create_per_worker_dataset(shared.dataset_fn))
+    shared.ledger.mark(0, 3)
+    shared.ledger.mark(1, 4)
+    for _ in range(3):
+      train(iterator)
+    shared.coordinator.join()
+    hits = model.hits.numpy()
+    report = shared.report()
+    tokens = int(optimizer._token_source().count().numpy())  # pylint: disable=protected-access
+    done = [shared.ledger.read(n) for n in range(4)]
+
+  trained = (4 - 3) + (4 - 4) + 4
+  assert hits.sum() == trained * BATCH, hits.sum()
+  assert report["batches"] == trained and report["examples"] == trained * BATCH, report
+  assert report["duplicates"] == 0, report
+  assert tokens == trained
+  # Each function's every step is recorded as done; number 3 was never scheduled.
+  assert done == [4, 4, 4, -1], done

@@ -336,7 +336,10 @@ def test_killed_parameter_server_resumes_from_full_and_hash_table_deltas(tmp_pat
   by row, what the delta held is tests/training/test_hash_delta_checkpoints.py's check.)"""
   model_dir = str(tmp_path / "m")
   deadline = time.time() + _TIME_LIMIT_S
-  command = _command("gba", model_dir) + ["--embedding=hash", "--full_checkpoint_every=3"]
+  # One step per function: the kill must fall between the checkpoints of steps 120 and 160, and
+  # with functions of 10 steps the first progress line past 140 can come after the second.
+  command = _command("gba", model_dir) + ["--embedding=hash", "--full_checkpoint_every=3",
+                                          "--steps_per_execution=1"]
   run = _Run("gba", model_dir, command=command)
   run.wait_for("step 140/", deadline)
   os.kill(_server(run.proc.pid, "ps", 0), signal.SIGKILL)

@@ -41,6 +41,24 @@ def test_an_unreachable_server_is_named_by_its_job():
                          None, jobs=("ps",))
 
 
+_CONTEXT_LOST = (
+    "Failed copying input tensor from /job:chief/replica:0/task:0/device:CPU:0 to "
+    "/job:worker/replica:0/task:0/device:CPU:0 in order to run __inference_steps_3489: Unable to "
+    "find a context_id matching the specified one (4005490120968849994). Perhaps the worker was "
+    "restarted, or the context was GC'd?")
+
+
+def test_a_call_that_reached_a_restarted_worker_restarts_the_job_as_a_runtime_fault():
+  """A parameter-server mode restarts its workers in place and the coordinator runs their
+  functions again; a call that reached the restarted worker anyway fails the run, and the job
+  resumes from its last checkpoint."""
+  with pytest.raises(recovery.RuntimeFault, match="a worker restarted while a call to it"):
+    recovery.raise_if_lost(_error(tf.errors.AbortedError, _CONTEXT_LOST), None, jobs=("ps",))
+  # Any other abort naming a worker is still no loss in these modes.
+  recovery.raise_if_lost(_error(tf.errors.AbortedError, "Socket closed /job:worker/task:0"),
+                         None, jobs=("ps",))
+
+
 def test_the_root_error_is_the_first_that_was_not_a_cancellation():
   cancelled = _error(tf.errors.CancelledError, "RecvFromRemoteAsync is cancelled /job:worker")
   parse = _error(tf.errors.InternalError, _PARSE)

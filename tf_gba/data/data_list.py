@@ -208,6 +208,18 @@ def start_worker(dispatcher_address: str, port: int, host: str = "127.0.0.1"
                                                 worker_address=f"{host}:{port}", port=port))
 
 
+_READ_TOGETHER = {}
+
+
+def _read_together(handles, dtype):
+  """Reads per-worker variables (their handles on the workers) in one function call."""
+  if dtype not in _READ_TOGETHER:
+    _READ_TOGETHER[dtype] = tf.function(
+        lambda *hs: [tf.raw_ops.ReadVariableOp(resource=h, dtype=dtype) for h in hs],
+        autograph=False, reduce_retracing=True)
+  return _READ_TOGETHER[dtype](*handles)
+
+
 class DayCounters:
   """What the workers trained on: per worker, times each batch id was trained, and totals.
 
@@ -227,29 +239,35 @@ class DayCounters:
                                  per_worker_variable=True, name="data_list_exhausted")
 
   @autograph.framework_function
-  def record_steps(self, batch_ids, num_examples) -> tf.Operation:
-    """After the steps of one scheduled function: counts the batches they trained, and marks the
-    worker as having seen the end if one of them read nothing.
+  def handles(self):
+    """This worker's counters, for `record_step`: read in the scheduled function itself, outside
+    any cond or loop (a per-worker variable is bound to the worker running the function where the
+    function captures it, which a cond branch's or a loop body's captures are not; a handle taken
+    there is an ordinary tensor inside them)."""
+    return (self.seen.handle, self.examples.handle, self.batches.handle, self.exhausted.handle)
 
-    Args:
-      batch_ids: int64 vector, one entry per step: the id of the batch it trained, or -1 for a
-        read that found the list exhausted.
-      num_examples: the examples the steps trained, together.
+  @autograph.framework_function
+  def record_step(self, handles, batch_id, num_examples) -> tf.Operation:
+    """After one step, inside the function's loop: counts the batch it trained (`batch_id` >= 0)
+    or, for -1 (a read that found the list exhausted), marks the worker as having seen the end;
+    other negative ids (a step skipped, see `tf_gba.training.rerun_ledger`) count nothing.
 
-    Outside any cond or loop: a per-worker variable is bound to the worker running the step where
-    the scheduled function captures it, which a cond branch's or loop body's captures are not.
+    Step by step rather than once after the function's steps, so that the counts a progress line
+    reads are those of the steps finished by then, whatever the steps per function.
     """
-    batch_ids = tf.cast(batch_ids, tf.int64)
-    trained = batch_ids >= 0
-    ids = tf.where(trained, batch_ids % self.num_batches, tf.zeros_like(batch_ids))
-    # A dense add: per-worker variables take assign_add, not scatters.
-    counts = tf.math.unsorted_segment_sum(tf.cast(trained, tf.int32), ids, self.num_batches)
-    any_empty = tf.cast(tf.reduce_any(tf.logical_not(trained)), tf.int32)
+    seen, examples, batches, exhausted = handles
+    batch_id = tf.cast(batch_id, tf.int64)
+    trained = batch_id >= 0
+    index = tf.where(trained, batch_id % self.num_batches, tf.zeros_like(batch_id))
+    ended = tf.cast(tf.equal(batch_id, -1), tf.int32)
+    was_ended = tf.raw_ops.ReadVariableOp(resource=exhausted, dtype=tf.int32)
     return tf.group(
-        self.seen.assign_add(counts),
-        self.examples.assign_add(tf.cast(num_examples, tf.int64)),
-        self.batches.assign_add(tf.reduce_sum(tf.cast(trained, tf.int64))),
-        self.exhausted.assign(tf.maximum(self.exhausted.read_value(), any_empty)))
+        tf.raw_ops.ResourceScatterAdd(resource=seen, indices=index[tf.newaxis],
+                                      updates=tf.cast(trained, tf.int32)[tf.newaxis]),
+        tf.raw_ops.AssignAddVariableOp(resource=examples,
+                                       value=tf.cast(num_examples, tf.int64)),
+        tf.raw_ops.AssignAddVariableOp(resource=batches, value=tf.cast(trained, tf.int64)),
+        tf.raw_ops.AssignVariableOp(resource=exhausted, value=tf.maximum(was_ended, ended)))
 
   @staticmethod
   def read_each(var) -> List[Optional[np.ndarray]]:
@@ -258,12 +276,19 @@ class DayCounters:
     A worker that died and was started again gets its per-worker variables created afresh, so
     its counts start again from zero.
     """
-    try:
-      return [np.asarray(v) for v in var.read_all()]
-    except _WORKER_DOWN:
-      pass
+    # One call that reads every worker's copy (the runtime sends the reads together): a progress
+    # line reads the data position this way, and one round trip per worker was the largest part
+    # of the coordinator's CPU at a progress line. A worker being started again has no variable
+    # yet (None): then one worker at a time, that one's None.
+    remotes = var._per_worker_vars._values  # pylint: disable=protected-access
+    local = [remote._get_values() for remote in remotes]  # pylint: disable=protected-access
+    if all(v is not None for v in local):
+      try:
+        return [np.asarray(v) for v in _read_together([v.handle for v in local], var.dtype)]
+      except _WORKER_DOWN:
+        pass
     out = []
-    for remote in var._per_worker_vars._values:  # pylint: disable=protected-access
+    for remote in remotes:
       try:
         out.append(np.asarray(remote.get()))
       except _WORKER_DOWN:

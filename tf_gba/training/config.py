@@ -29,6 +29,10 @@ HASH_OPTION_FLAGS = ("hash_min_frequency", "hash_ttl_steps", "hash_max_rows",
 INPUTS = ("shared", "sharded")
 # Worker steps of a run that reads static shards and sets no --steps (the original default).
 DEFAULT_STEPS = 2000
+# --steps_per_execution's default with the shared data list: the coordinator's CPU per worker step
+# falls with the steps per function (about 5.9 ms at 1, 0.7-1.1 at 20 with DeepFM on 4 workers:
+# docs/step_cost.md), little more beyond.
+MAX_DEFAULT_SCHEDULED_STEPS = 20
 
 
 @dataclasses.dataclass
@@ -378,10 +382,17 @@ class TrainConfig:
   @property
   def scheduled_steps(self) -> int:
     """Worker steps per function the coordinator schedules (--steps_per_execution): the flag, else
-    GBAStrategy's default (tf_gba.distribute.steps_per_execution.DEFAULT)."""
+    the mode's default. With the shared data list, whose functions skip on a re-run the steps a
+    failed worker had finished (tf_gba.training.rerun_ledger), up to MAX_DEFAULT_SCHEDULED_STEPS,
+    fewer where an interval would otherwise hold fewer functions than workers (each worker takes
+    whole functions); one in the barrier modes, which refuse more, and with static shards (Keras'
+    own function, which a re-run trains again whole)."""
     if self.steps_per_execution is not None:
       return self.steps_per_execution
-    return steps_per_execution_lib.DEFAULT
+    if (self.input != "shared" or self.mode in modes_lib.BARRIER_MODES
+        or mode_registry.get(self.mode).kind != mode_registry.PARAMETER_SERVER):
+      return steps_per_execution_lib.DEFAULT
+    return max(1, min(MAX_DEFAULT_SCHEDULED_STEPS, self.interval_steps() // self.num_workers))
 
   @property
   def strategy_mode(self) -> str:

@@ -62,6 +62,8 @@ class RuntimeFault(JobLost):
 # ClusterCoordinator's workers): the server received the request unreadable. Nothing of the
 # job's code or input is in the traceback, and the same run started again trains on.
 _RUNTIME_FAULTS = ("Unable to parse request",)
+# A call that reached a worker restarted since the coordinator last joined it.
+_WORKER_CONTEXT_LOST = "Unable to find a context_id matching the specified one"
 
 
 # What each job's loss takes with it, for the message.
@@ -95,6 +97,15 @@ def raise_if_lost(error: Exception, cluster, jobs: Sequence[str] = ("ps",)) -> N
       time.sleep(0.1)
   if named:
     raise _lost(named[0], _LOST[named[0]][1], error) from error
+  if unreachable and "/job:worker" in text and _WORKER_CONTEXT_LOST in text:
+    # ClusterCoordinator runs again the functions of a worker that restarts, but under load a
+    # function sent while the restarted worker was being rejoined reached this far (2 of 5
+    # killed-worker drills on a machine at load 12, none of 3 at load 6). A function may have
+    # been partly run: resume from the last checkpoint.
+    raise RuntimeFault("a worker restarted while a call to it was in flight, and TensorFlow's "
+                       f"runtime did not run it again ({type(error).__name__}: "
+                       f"{_WORKER_CONTEXT_LOST}). Rerun the same command to resume from the "
+                       "last checkpoint in model_dir.") from error
   fault = next((f for f in _RUNTIME_FAULTS if f in text), None)
   if isinstance(error, tf.errors.InternalError) and fault:
     raise RuntimeFault(f"a call between the job's processes failed inside TensorFlow's runtime "

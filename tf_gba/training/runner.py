@@ -638,6 +638,7 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     if shared is not None:
       _add_data_list(summary, shared.report(), config)
     summary["embedding"] = config.embedding
+    summary["steps_per_execution"] = config.scheduled_steps
     if tables:
       summary["hash_tables"] = tables
     summary["skipped_checkpoints"] = job.skipped_checkpoints

@@ -32,6 +32,7 @@ import tf_keras as keras
 
 from tf_gba.data import data_list as data_list_lib
 from tf_gba.training import pipelining
+from tf_gba.training import rerun_ledger
 
 # Above what the longest step (a straggler at 4x on a loaded machine, a Hop-BS barrier timeout)
 # takes, well below what a user would wait before killing a hung job.
@@ -80,6 +81,8 @@ class SharedInput:
     self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     with strategy.scope():
       self.counters = data_list_lib.DayCounters(self.list.num_batches)
+      # A function run again after its worker failed skips the steps it had trained.
+      self.ledger = rerun_ledger.RerunLedger()
     # Times each batch was trained before this run started (restored with the checkpoint of a
     # resumed run, see `resume`); the counters above count this run's trainings only.
     self.restored_seen = np.zeros([self.list.num_batches], np.int64)
@@ -164,8 +167,9 @@ class SharedInput:
 
     One scheduled function runs the model's steps-per-execution steps (Keras' counter, read on
     the coordinator when the function is scheduled, as Keras does: the last function of an epoch
-    runs what is left of it), each reading its own batch, taking its own token and pushing its
-    own gradient; the counts of all its steps are recorded once, after them.
+    runs what is left of it), each reading its own batch, taking its own token, pushing its own
+    gradient and counting its batch; a run of the function after a worker failure skips the
+    steps a previous run finished (`rerun_ledger`).
     """
     from tf_keras.src.engine import training as keras_training  # pylint: disable=g-import-not-at-top
     strategy, counters = self.strategy, self.counters
@@ -194,20 +198,33 @@ class SharedInput:
 
       return tf.cond(optional.has_value(), trained, exhausted)
 
-    def steps(iterator, num_steps):
+    ledger = self.ledger
+
+    def skipped():
+      """A step a previous run of this function already trained (see `rerun_ledger`)."""
+      return (tf.nest.map_structure(tf.identity, model.get_metrics_result()),
+              tf.constant(-2, tf.int64), tf.constant(0, tf.int64))
+
+    def steps(iterator, num_steps, number):
       num_steps = tf.cast(num_steps, tf.int32)
+      done = tf.cast(ledger.start(number), tf.int32)
+      handles = counters.handles()
+
+      def counted(i, outputs, batch_id, examples):
+        recorded = counters.record_step(handles, batch_id, examples)
+        with tf.control_dependencies([recorded]):
+          # A skipped first step leaves the count where the previous run left it.
+          marked = ledger.mark(number, tf.maximum(i + 1, done))
+        with tf.control_dependencies([marked]):
+          return tf.nest.map_structure(tf.identity, outputs)
+
       # The first step outside the loop: its outputs (the model's metrics, built by the first
       # train step) give the loop's outputs their structure. Keras schedules >= 1 step.
-      outputs, batch_id, examples = one_step(iterator)
-      batch_ids = tf.TensorArray(tf.int64, size=num_steps).write(0, batch_id)
-      # One after another: each step's push is done before the next step reads.
-      for i in tf.range(1, num_steps):
-        outputs, batch_id, size = one_step(iterator)
-        batch_ids = batch_ids.write(i, batch_id)
-        examples += size
-      recorded = counters.record_steps(batch_ids.stack(), examples)
-      with tf.control_dependencies([recorded]):
-        return tf.nest.map_structure(tf.identity, outputs)
+      outputs = counted(0, *tf.cond(done <= 0, lambda: one_step(iterator), skipped))
+      # One after another: each step's push is done (and recorded) before the next step reads.
+      for i in tf.range(tf.maximum(done, 1), num_steps):
+        outputs = counted(i, *one_step(iterator))
+      return outputs
 
     function = tf.function(steps, reduce_retracing=True)
 
@@ -215,7 +232,7 @@ class SharedInput:
       num_steps = model._steps_per_execution  # pylint: disable=protected-access
       value = self.coordinator.schedule(
           function, args=(iterator, num_steps.value() if num_steps is not None else
-                          tf.constant(1, tf.int64)))
+                          tf.constant(1, tf.int64), ledger.next_number()))
       with self._lock:
         self._pending.append(value)
       return value

@@ -47,6 +47,7 @@ RUN_FIELDS = frozenset({
     "worker_restarts", "tfdata_worker_restarts",                       # recovery
     "logs", "logs_kept",                                               # --keep_logs
     "embedding", "hash_tables",           # --embedding; with hash, training/hash_tables.py
+    "steps_per_execution",                # parameter-server modes: worker steps per function
 })
 
 

@@ -1,0 +1,67 @@
+"""Which steps of a scheduled function have run: a function run again after a worker failure
+skips them.
+
+ParameterServerStrategy's coordinator runs a function again on another worker when the worker
+running it fails, with the same arguments. A function of k worker steps (`--steps_per_execution`)
+whose worker died after j of them had pushed their gradients would train those j again: j more
+tokens, j more gradients, j more batches, past the run's target (k = 20: the fault drills trained
+10-14 global steps past `--steps`). Each function is scheduled with a number of its own; after
+each step it records on a parameter server (which outlives the worker) how many of its steps are
+done, and a run of the same number starts after them. A worker that dies between a step's push
+and that record leaves one step to be trained again, as a failed one-step function does.
+
+Numbers are kept in `SLOTS` slots (number modulo SLOTS, with the number itself, so a slot reused
+by a later function is not mistaken for this one's): a re-run whose slot was reused since runs
+all its steps, as it would without the ledger. SLOTS is far above the functions a run has in
+flight (the binary's pipelining holds two logging intervals).
+"""
+
+import itertools
+import threading
+
+import tensorflow as tf
+
+SLOTS = 4096
+
+
+class RerunLedger:
+  """Create under the strategy's scope: the ledger is a parameter server's variable.
+
+  Not tracked by checkpoints: it describes the functions of one process of the coordinator, and a
+  restarted job numbers its functions afresh.
+  """
+
+  def __init__(self):
+    # [slot] -> (function number, steps done); -1: never used.
+    self._done = tf.Variable(tf.fill([SLOTS, 2], tf.constant(-1, tf.int64)), trainable=False,
+                             name="rerun_ledger")
+    self._numbers = itertools.count()
+    self._lock = threading.Lock()
+
+  def next_number(self) -> tf.Tensor:
+    """A number for the next scheduled function (on the coordinator)."""
+    with self._lock:
+      return tf.constant(next(self._numbers), tf.int64)
+
+  def start(self, number) -> tf.Tensor:
+    """In the function: the steps a previous run of `number` completed (0 on a first run), and
+    the slot claimed for this run."""
+    number = tf.cast(number, tf.int64)
+    slot = number % SLOTS
+    row = tf.gather(self._done, slot)
+    done = tf.where(tf.equal(row[0], number), row[1], tf.constant(0, tf.int64))
+    claimed = self._done.scatter_update(
+        tf.IndexedSlices(tf.stack([number, done])[tf.newaxis], slot[tf.newaxis]))
+    with tf.control_dependencies([claimed.op]):
+      return tf.identity(done)
+
+  def mark(self, number, steps_done) -> tf.Operation:
+    """In the function, after a step's push: `steps_done` of `number`'s steps have run."""
+    number = tf.cast(number, tf.int64)
+    row = tf.stack([number, tf.cast(steps_done, tf.int64)])[tf.newaxis]
+    return self._done.scatter_update(tf.IndexedSlices(row, (number % SLOTS)[tf.newaxis])).op
+
+  def read(self, number) -> int:
+    """Steps `number` completed, as recorded (-1: its slot holds another function's)."""
+    row = self._done.numpy()[int(number) % SLOTS]
+    return int(row[1]) if int(row[0]) == int(number) else -1
