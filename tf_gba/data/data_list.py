@@ -213,11 +213,14 @@ _READ_TOGETHER = {}
 
 def _read_together(handles, dtype):
   """Reads per-worker variables (their handles on the workers) in one function call."""
-  if dtype not in _READ_TOGETHER:
-    _READ_TOGETHER[dtype] = tf.function(
+  # One function per dtype and number of workers: TF's retracing cannot generalise a signature
+  # to another number of arguments (a process that runs jobs of 2, then 4 workers).
+  key = (dtype, len(handles))
+  if key not in _READ_TOGETHER:
+    _READ_TOGETHER[key] = tf.function(
         lambda *hs: [tf.raw_ops.ReadVariableOp(resource=h, dtype=dtype) for h in hs],
-        autograph=False, reduce_retracing=True)
-  return _READ_TOGETHER[dtype](*handles)
+        autograph=False)
+  return _READ_TOGETHER[key](*handles)
 
 
 class DayCounters:
