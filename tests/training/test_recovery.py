@@ -41,6 +41,19 @@ def test_an_unreachable_server_is_named_by_its_job():
                          None, jobs=("ps",))
 
 
+def test_a_cancelled_worker_step_restarts_a_parameter_server_job():
+  # The error the chaos drill met (benchmarks/chaos.py): a worker killed while its step was being
+  # enqueued; ClusterCoordinator cancelled every scheduled step and fit raised. Restarted from the
+  # last checkpoint (exit 75) instead of ending the command with exit 1.
+  cancelled = _error(tf.errors.CancelledError,
+                     "RemoteExecuteNode::RunAsync /job:worker/replica:0/task:0 CANCELLED")
+  with pytest.raises(recovery.RuntimeFault, match="CancelledError"):
+    recovery.raise_if_lost(cancelled, None, jobs=("ps",))
+  # The replicated modes name the worker (its replica is lost), as before.
+  with pytest.raises(recovery.WorkerLost):
+    recovery.raise_if_lost(cancelled, None, jobs=("ps", "worker"))
+
+
 def test_the_root_error_is_the_first_that_was_not_a_cancellation():
   cancelled = _error(tf.errors.CancelledError, "RecvFromRemoteAsync is cancelled /job:worker")
   parse = _error(tf.errors.InternalError, _PARSE)

@@ -732,6 +732,11 @@ def fit_shared(model, optimizer, shared, epochs: int, callbacks=(), steps_per_ep
   except Exception as e:  # pylint: disable=broad-except
     if shared.stalled is None:
       raise
+    if not shared.day_mode:
+      # A run of --steps has a target to reach: a stall (a server that stopped answering, a
+      # stalled link) restarts the job from its last checkpoint instead of ending it short.
+      raise recovery.Stalled(f"{shared.stalled}; restarting the job from its last "
+                             "checkpoint") from e
     _log(f"tf_gba: the day ended early: {shared.stalled} ({type(e).__name__})")
     history = model.history
   finally:

@@ -273,8 +273,9 @@ class SharedInput:
           self._last_progress = now
         elif now - self._last_progress > timeout:
           self.stalled = (f"no training step finished for {timeout:.0f} s while "
-                          f"{len(self._pending)} were scheduled: the shared data list stopped "
-                          "delivering (a tf.data worker lost?)")
+                          f"{len(self._pending)} were scheduled (--stall_timeout_s): the "
+                          "shared data list stopped delivering or a server stopped answering "
+                          "(a tf.data worker lost, a stalled link?)")
           _fail_scheduled_steps(self.coordinator, DataServiceStalled(self.stalled))
           return
 
