@@ -206,3 +206,11 @@ def test_config_input_and_steps():
 
 
 # A killed tf.data worker is drilled through the binary: tests/test_fault_drills.py.
+
+
+def test_the_stall_limit_waits_for_the_first_step_at_least_the_default():
+  # The first step registers functions and opens readers on every worker: a short
+  # --stall_timeout_s holds only once a step has finished.
+  assert shared_input.stall_limit(15.0, trained=False) == shared_input.DEFAULT_STALL_TIMEOUT_S
+  assert shared_input.stall_limit(15.0, trained=True) == 15.0
+  assert shared_input.stall_limit(300.0, trained=False) == 300.0
