@@ -130,3 +130,15 @@ def test_the_server_that_exited_is_the_one_lost_whichever_jobs_the_error_names()
   with pytest.raises(recovery.WorkerLost, match="worker:1 died"):
     recovery.raise_if_lost(_error(tf.errors.CancelledError, "cancelled"),
                            _Cluster(worker=["worker:1"]), jobs=("ps", "worker"))
+
+
+def test_a_parameter_server_lost_while_the_job_builds_restarts_it():
+  # The chaos drill's kill during recovery: a parameter server killed while a restarted job
+  # created its variables raised UnavailableError outside fit, and the command ended with exit 1.
+  from tf_gba.training import runner  # pylint: disable=g-import-not-at-top
+  with pytest.raises(recovery.ParameterServerLost):
+    with runner._restart_if_lost(None):  # pylint: disable=protected-access
+      raise _error(tf.errors.UnavailableError, "Connection refused /job:ps/replica:0/task:0")
+  with pytest.raises(ValueError):  # anything else is the job's own error, as before
+    with runner._restart_if_lost(None):  # pylint: disable=protected-access
+      raise ValueError("a bug")

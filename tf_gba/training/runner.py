@@ -473,6 +473,19 @@ def run(config: TrainConfig) -> dict:
   return result
 
 
+@contextlib.contextmanager
+def _restart_if_lost(cluster):
+  """A parameter server lost (or unreachable) in the block is the job's loss (exit 75, the
+  supervisor restarts the job) rather than an error that ends the command: measured by the chaos
+  drill, a parameter server killed while a restarted job created its variables ended the command
+  with exit 1 (UnavailableError from `add_weight`)."""
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-except
+    recovery.raise_if_lost(e, cluster, jobs=("ps",))
+    raise
+
+
 def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
   """A parameter-server mode's run: GBAStrategy, model.fit; writes and prints the summary.
 
@@ -484,7 +497,8 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
   with _cluster(config) as (resolver, cluster):
     cluster_up_unix = time.time()
     strategy = make_strategy(config, resolver)
-    job = _Job(config, strategy)
+    with _restart_if_lost(cluster):  # a server killed while the job builds and restores
+      job = _Job(config, strategy)
     # When the servers were up and when the model was built and restored, and (below) when the
     # final checkpoint began and was written: --mode=auto's account of a switch.
     job.phase_unix = {"started": cluster_up_unix, "restored": time.time()}

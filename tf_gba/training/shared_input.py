@@ -126,7 +126,7 @@ class SharedInput:
     the steps finished by then trained. None while a worker is being restarted (its counters
     cannot be read then).
     """
-    each = self.counters.read_each(self.counters.seen)
+    each = self.counters.read_counts(self.counters.seen)
     if any(v is None for v in each):
       return None
     return self.restored_seen + np.stack(each).astype(np.int64).sum(0)
