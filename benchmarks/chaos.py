@@ -264,7 +264,7 @@ class Drill:
       r = _RESUMED.search(line)
       if r:
         self.resumes.append((now, int(r.group(1)), int(r.group(2))))
-      if is_err and line.startswith("train.py:"):
+      if is_err and line.startswith(("train.py:", "tf_gba:")):
         self.events.append((now, line.strip()))
 
   def step(self) -> int:
@@ -445,20 +445,22 @@ class Drill:
     elapsed = time.time() - start
     with self.lock:
       during = [(t, s) for t, s in self.progress if start < t <= start + elapsed]
-      restarted = [e for t, e in self.events if start < t <= start + elapsed]
-    out = {"did": did, "window_s": round(elapsed, 1),
-           "global_steps_during": (during[-1][1] - step0) if during else 0,
-           "progress_lines_during": len(during), "events_during": restarted}
-    if f.kind == "stall":
-      if restarted:
-        out["reaction"] = (f"no step finished for --stall_timeout_s={self.stall_limit_s:g} s: "
-                           "the job restarted from its last checkpoint (not a silent wait)")
-      elif during and during[-1][1] > step0:
-        out["reaction"] = (f"worked around: the others went on ({out['global_steps_during']} "
-                           f"global steps during the {elapsed:.0f} s stall)")
-      else:
-        out["reaction"] = f"waited for: no global step during the {elapsed:.0f} s stall"
-    return out
+    return {"did": did, "window_s": round(elapsed, 1), "window_start": start, "step0": step0,
+            "global_steps_during": (during[-1][1] - step0) if during else 0,
+            "progress_lines_during": len(during)}
+
+  def stall_reaction(self, rec: dict) -> str:
+    """What the job did about a stall, from the stall's start until it trained again: one line."""
+    start, elapsed = rec["window_start"], rec["window_s"]
+    with self.lock:
+      restarted = [e for t, e in self.events if t > start and "restarting the job" in e]
+    if restarted:
+      return (f"restarted: no step finished for --stall_timeout_s={self.stall_limit_s:g} s, the "
+              f"job restarted from its last checkpoint ({restarted[0]})")
+    if rec["global_steps_during"] > 0:
+      return (f"worked around: the others went on ({rec['global_steps_during']} global steps "
+              f"during the {elapsed:.0f} s stall)")
+    return f"waited for: no global step during the {elapsed:.0f} s stall"
 
   def run(self) -> None:
     self._start()
@@ -478,6 +480,8 @@ class Drill:
                 int(rec.get("progress_lines_during", 0)))
       self.wait(float(self.deadline - time.time()), lambda: self.training())
       rec["trained_again_after_s"] = round(time.time() - self.t0 - rec["t"], 1)
+      if f.kind == "stall" and "window_s" in rec:
+        rec["reaction"] = self.stall_reaction(rec)
       self.records.append(rec)
       self.log(_fault_line(rec))
     self.wait(1e9)
@@ -525,6 +529,7 @@ def verdict(drill: Drill, summary: Optional[dict], steps: int, reference: Option
 
   if summary is None:
     check("target_reached", False, drill.hung or "no summary.json")
+    check("no_hang", drill.hung is None, drill.hung or "ended without a summary")
     return checks
   target = summary.get("target_global_step")
   check("target_reached", drill.finished and summary["global_step"] >= target,

@@ -41,7 +41,6 @@ def test_the_short_chaos_schedule_ends_where_an_undisturbed_run_ends(tmp_path):
     # Each stall is said in one line: worked around, waited for, or (a parameter server stalled
     # past --stall_timeout_s) a restart from the last checkpoint, never a silent wait.
     assert stalls and all(r["reaction"].split(":")[0] in (
-        "worked around", "waited for", f"no step finished for --stall_timeout_s=15 s")
-                          for r in stalls), stalls
+        "worked around", "waited for", "restarted") for r in stalls), stalls
   assert result["verdict"] == "PASS", context
   assert proc.returncode == 0

@@ -142,3 +142,33 @@ def test_a_parameter_server_lost_while_the_job_builds_restarts_it():
   with pytest.raises(ValueError):  # anything else is the job's own error, as before
     with runner._restart_if_lost(None):  # pylint: disable=protected-access
       raise ValueError("a bug")
+
+
+def test_a_dead_parameter_server_the_job_waits_on_ends_it_for_a_restart(tmp_path, capsys):
+  # The chaos drill's kill during recovery: a parameter server killed while a restarted job was
+  # connecting to its cluster left the job waiting with no end and no message.
+  import threading  # pylint: disable=g-import-not-at-top
+  from tf_gba.training import runner  # pylint: disable=g-import-not-at-top
+
+  class Cluster:
+    def __init__(self, dead):
+      self._dead = dead
+
+    def dead(self, job):
+      assert job == "ps"
+      return self._dead
+
+  exits = []
+  recovery.begin(str(tmp_path), "gba", 400, 0, target_if_new=100)
+  runner.watch_parameter_servers(Cluster(["ps:0"]), threading.Event(), str(tmp_path),
+                                 grace_s=0.2, exit_now=exits.append)
+  assert exits == [recovery.EXIT_RESTART]
+  assert "ps:0 died and the job has waited" in capsys.readouterr().err
+  assert recovery.begin(str(tmp_path), "gba", 400, 0, target_if_new=100).restart_causes == [
+      "ParameterServerLost"]
+  # None dead, or stopped (the job's own teardown): nothing happens.
+  stop = threading.Event()
+  threading.Timer(0.5, stop.set).start()
+  runner.watch_parameter_servers(Cluster([]), stop, str(tmp_path), grace_s=0.2,
+                                 exit_now=exits.append)
+  assert exits == [recovery.EXIT_RESTART]

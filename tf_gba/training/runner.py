@@ -10,6 +10,8 @@ import contextlib
 import dataclasses
 import math
 import os
+import sys
+import threading
 import time
 from typing import Optional
 
@@ -27,6 +29,7 @@ from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.distribute import tf_config as tf_config_lib
 from tf_gba.ops import worker_clock
 from tf_gba.optimizers import GBA
+from tf_gba.common import exiting
 from tf_gba.common import interrupt
 from tf_gba.common import metrics
 from tf_gba.common import scalars as scalars_lib
@@ -80,7 +83,44 @@ def _cluster(config: TrainConfig):
                     log_dir=config.log_dir, keep_logs=config.keep_logs, restart_workers=True,
                     num_tfdata_workers=config.tfdata_workers if config.uses_data_list else 0
                     ) as cluster:
-    yield cluster.resolver(), cluster
+    stop = threading.Event()
+    threading.Thread(target=watch_parameter_servers, args=(cluster, stop, config.model_dir),
+                     daemon=True, name="parameter_server_watchdog").start()
+    try:
+      yield cluster.resolver(), cluster
+    finally:
+      stop.set()
+
+
+# Seconds a local parameter server may be dead before the watchdog ends the job: a loss the job
+# notices (an error of a call to it) is reported within a few seconds (recovery.raise_if_lost).
+LOST_PS_GRACE_S = 20.0
+
+
+def watch_parameter_servers(cluster, stop: threading.Event, model_dir: str,
+                            grace_s: Optional[float] = None, exit_now=exiting.exit_now) -> None:
+  """Ends the job (exit 75: the binary's supervisor restarts it) when a parameter server of the
+  local cluster has been dead for `grace_s` and the job has not noticed. Measured by the chaos
+  drill (benchmarks/chaos.py): a parameter server killed while a restarted job was connecting to
+  its cluster left the job waiting for it with no end and no message; no step was scheduled yet,
+  so the stall watchdog had nothing to watch."""
+  grace_s = LOST_PS_GRACE_S if grace_s is None else grace_s
+  dead_since = None
+  while not stop.wait(min(1.0, grace_s / 4)):
+    dead = cluster.dead("ps")
+    if not dead:
+      dead_since = None
+      continue
+    dead_since = dead_since or time.time()
+    if time.time() - dead_since >= grace_s and not stop.is_set():
+      error = recovery.ParameterServerLost(
+          f"{', '.join(dead)} died and the job has waited {grace_s:.0f} s without noticing (a "
+          "call to it that never returns); its variables are lost. Rerun the same command to "
+          "resume from the last checkpoint in model_dir.")
+      print(f"tf_gba: {error}", file=sys.stderr, flush=True)
+      recovery.record_failure(model_dir, error)
+      exit_now(recovery.EXIT_RESTART)
+      return
 
 
 def wait_for_cluster(config: TrainConfig) -> None:
