@@ -537,12 +537,14 @@ def verdict(drill: Drill, summary: Optional[dict], steps: int, reference: Option
   dl = summary.get("data_list") or {}
   if dl:
     restored = dl.get("restored_batches", 0) or 0
-    total = restored + dl["batches"]
+    uncounted = dl.get("uncounted_batches", 0) or 0
+    total = restored + dl["batches"] + uncounted
     check("exactly_once", total == steps and dl.get("duplicates", 0) == 0 and
           not dl.get("lost"),
-          f"restored {restored} + trained {dl['batches']} = {total} of {steps} batches; "
-          f"duplicates {dl.get('duplicates')}, lost {dl.get('lost')}, re-read (reported) "
-          f"{dl.get('batches_reread', summary.get('batches_reread'))}")
+          f"restored {restored} + trained {dl['batches']} + uncounted by the checkpoint "
+          f"(reported, trained again) {uncounted} = {total} of {steps} batches; duplicates in a "
+          f"pass {dl.get('duplicates')}, lost {dl.get('lost')}; re-read after failures "
+          f"(reported) {summary.get('batches_reread')}")
   else:
     check("exactly_once", None, "no shared data list in this mode (not checked)")
   redone = [(r["kind"], s) for r in drill.records for s in r.get("steps_redone", [])]
@@ -631,6 +633,8 @@ def main(argv=None) -> int:
   p.add_argument("--reference_seeds", default="",
                  help="comma-separated binary seeds of undisturbed runs to compare AUC and wall "
                       "time with (cached under the output directory)")
+  p.add_argument("--references_only", action="store_true",
+                 help="run (or read from the cache) the --reference_seeds' undisturbed runs only")
   p.add_argument("--no_network", action="store_true", help="skip the network faults")
   p.add_argument("--time_limit_s", type=float, default=None,
                  help="a run not ended by then is a hang (default 3 x duration + 600; short: 170)")
@@ -683,6 +687,8 @@ def main(argv=None) -> int:
                  "wall_s": [r["wall_s"] for r in refs]}
     print(f"undisturbed: AUC {reference['auc']}, wall {[round(w) for w in reference['wall_s']]} s",
           flush=True)
+  if args.references_only:
+    return 0
   drill = Drill(cmd, model_dir, faults, args.stall_limit_s, args.checkpoint_every, m,
                 time_limit, network, args.seed)
   drill.run()

@@ -172,3 +172,16 @@ def test_a_dead_parameter_server_the_job_waits_on_ends_it_for_a_restart(tmp_path
   runner.watch_parameter_servers(Cluster([]), stop, str(tmp_path), grace_s=0.2,
                                  exit_now=exits.append)
   assert exits == [recovery.EXIT_RESTART]
+
+
+def test_batches_a_checkpoints_data_position_missed_are_reported():
+  from tf_gba.training import runner  # pylint: disable=g-import-not-at-top
+  from tf_gba.training.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  report = {"per_worker_batches": [100, 120], "per_worker_examples": [6400, 7680],
+            "batches": 220, "examples": 14080, "duplicates": 0, "missed": None,
+            "restored_batches": 973}
+  summary = {"per_worker": [{"worker": 0}, {"worker": 1}], "start_global_step": 490,
+             "num_aggregate": 2}
+  runner._add_data_list(summary, report, TrainConfig(mode="gba"))  # pylint: disable=protected-access
+  # The checkpoint at global step 490 followed 980 trained batches; its position counted 973.
+  assert summary["data_list"]["uncounted_batches"] == 7

@@ -815,6 +815,13 @@ def _add_data_list(summary: dict, report: dict, config: TrainConfig) -> None:
   summary["examples"] = report["examples"]
   summary["duplicates"] = report["duplicates"]
   summary["missed"] = report["missed"]
+  if config.mode in ("gba", "async") and report.get("restored_batches"):
+    # There every push takes a token and M tokens make a global step, so the checkpoint resumed
+    # from was written after start_global_step x M trained batches. Those its data position does
+    # not count (a worker restarted in place trained them after the coordinator's last read of
+    # its counts) were listed again and trained twice: re-reads the summary reports here.
+    report["uncounted_batches"] = max(
+        0, summary["start_global_step"] * summary["num_aggregate"] - report["restored_batches"])
 
 
 def _optimizer_stats(optimizer) -> dict:
