@@ -558,11 +558,13 @@ def verdict(drill: Drill, summary: Optional[dict], steps: int, reference: Option
   pushes = summary.get("pushes")
   slack = summary.get("worker_restarts", 0) + summary.get("num_workers", 0)
   dropped = summary.get("dropped_batches", 0)
-  check("gradients", pushes is not None and 0 <= pushes - dropped - applied <= slack and
+  # Every push takes a token and M tokens make a global step; a gradient dropped as too stale
+  # keeps its place in the step (zero), so dropped pushes are among the step's M.
+  check("gradients", pushes is not None and 0 <= pushes - applied <= slack and
         not summary.get("duplicate_pushes"),
-        f"last segment: {pushes} pushes - {dropped} dropped vs {applied} applied "
-        f"((global step - start) x M; a retried step after a worker restart or a step in flight "
-        f"at the end may add up to {slack}); duplicate pushes {summary.get('duplicate_pushes')}")
+        f"last segment: {pushes} pushes vs {applied} = (global step - start) x M (a retried step "
+        f"after a worker restart or a step in flight at the end may add up to {slack}); "
+        f"{dropped} dropped as too stale; duplicate pushes {summary.get('duplicate_pushes')}")
   gaps = _gaps(drill)
   check("no_hang", drill.hung is None and drill.finished,
         (drill.hung or "ended") + f"; longest time without a progress line {gaps:.0f} s "
