@@ -125,7 +125,8 @@ def schedule(mode: str, seed: int, faults: int, global_steps: int, long_window: 
     elif kind == "loss":
       f.loss_pct, f.duration_s = float(rng.randint(1, 5)), long_window
     elif kind == "double":
-      f.target, f.second, f.gap_s = rng.choice(kills), rng.choice(kills), rng.uniform(1.0, 5.0)
+      f.target = rng.choice(kills)[len("kill_"):]
+      f.second, f.gap_s = rng.choice(kills), rng.uniform(1.0, 5.0)
     elif kind == "during_recovery":
       f.target, f.second, f.gap_s = "ps", rng.choice(("kill_ps", "kill_job")), rng.uniform(0, 2)
     elif kind == "during_checkpoint":
