@@ -83,6 +83,10 @@ SHORT_STEPS, SHORT_CHECKPOINT_EVERY, SHORT_STALL_LIMIT_S = 1200, 100, 15.0
 # worker steps a second; a run of --duration_s gets this many steps per second of it, so that the
 # faults' restarts and stalls fill the rest.
 STEPS_PER_SECOND = 14
+# Faults after which the job restarts (or the command is rerun); a worker or a tf.data worker is
+# restarted in place, and a network fault may or may not restart it.
+_RESTARTS = ("kill_ps", "kill_job", "kill_coordinator", "sigterm", "double", "during_recovery",
+             "during_checkpoint")
 _PROGRESS = re.compile(r"^step (\d+)/\d+\s+global step (\d+)")
 _RESUMED = re.compile(r"resuming an interrupted run \(restart (\d+)\): global step (\d+)")
 
@@ -477,8 +481,14 @@ class Drill:
       rec = self.inject(f)
       # What followed: the job's reaction (a line of its own, or two progress lines: it went on),
       # then until it trains again (or its end).
-      self.wait(60, lambda: len(self.events) > n_events or self.progress_since(t_inject) >= 2 +
-                int(rec.get("progress_lines_during", 0)))
+      if f.kind in _RESTARTS:
+        # Until the job's restart (or the command's rerun) is under way: it may print a progress
+        # line or two before it notices.
+        self.wait(120, lambda: any(("restarting the job" in e or e.startswith("drill:"))
+                                   for _, e in self.events[n_events:]))
+      else:
+        self.wait(60, lambda: len(self.events) > n_events or self.progress_since(t_inject) >= 2 +
+                  int(rec.get("progress_lines_during", 0)))
       self.wait(float(self.deadline - time.time()), lambda: self.training())
       rec["trained_again_after_s"] = round(time.time() - self.t0 - rec["t"], 1)
       if f.kind == "stall" and "window_s" in rec:
