@@ -393,6 +393,8 @@ class Drill:
                         + self._kill(target))
     elif f.kind == "during_checkpoint":
       seen = self.wait(120, self._checkpoint_being_written)
+      # The fault is the kill: its time and step are the kill's.
+      rec["t"], rec["step_seen"] = round(time.time() - self.t0, 1), self.step()
       rec["did"].append(("while a checkpoint was being written: " if seen else
                          "no checkpoint write caught in 120 s: ") + self._kill(f.target))
     elif f.kind in NETWORK:
@@ -435,7 +437,10 @@ class Drill:
       did.append(f"{f.loss_pct:g} % of packets dropped for {f.duration_s:g} s ({net.iptables})")
     if f.kind == "bandwidth":
       ok = net.tc(root, "qdisc", "replace", "dev", "lo", "root", "tbf", "rate",
-                  f"{f.rate_mbit}mbit", "burst", "256kbit", "latency", "100ms")
+                  f"{f.rate_mbit}mbit", "burst", "256kb", "latency", "200ms")
+      # The burst must hold a whole packet: loopback's MTU is 64 KiB, and tbf drops a packet
+      # larger than its burst (with 256kbit, 32 KiB, a first run's 100 Mbit/s limit stopped
+      # every large transfer: no step in 60 s, a Stalled restart).
       did.append(f"loopback limited to {f.rate_mbit} Mbit/s for {f.duration_s:g} s (tc tbf)"
                  + ("" if ok else ": tc failed"))
     added = [r for r in rules if net.rule(root, True, r)]
@@ -679,7 +684,9 @@ def main(argv=None) -> int:
   name = "short" if short else f"{args.mode}_{args.embedding}_seed{args.seed}"
   out = args.out or os.path.join(ROOT, "runs", f"chaos_{name}.json")
   print(f"chaos drill: {' '.join(cmd[1:])}", flush=True)
-  print(f"  stall limit {args.stall_limit_s:g} s (--stall_timeout_s), checkpoint every "
+  limit = (f"stall limit {args.stall_limit_s:g} s (--stall_timeout_s)" if args.mode != "sync"
+           else "no stall limit (sync has no --stall_timeout_s)")
+  print(f"  {limit}, checkpoint every "
         f"{args.checkpoint_every} worker steps ({args.checkpoint_every // m} global), time limit "
         f"{time_limit:.0f} s", flush=True)
   for f in faults:
