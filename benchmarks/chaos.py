@@ -42,6 +42,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -655,7 +656,7 @@ def main(argv=None) -> int:
                  help="run (or read from the cache) the --reference_seeds' undisturbed runs only")
   p.add_argument("--no_network", action="store_true", help="skip the network faults")
   p.add_argument("--time_limit_s", type=float, default=None,
-                 help="a run not ended by then is a hang (default 3 x duration + 600; short: 170)")
+                 help="a run not ended by then is a hang (default 3 x duration + 600; short: 420)")
   p.add_argument("--work_dir", default=None, help="model_dir's parent (default: a temporary one)")
   p.add_argument("--out", default=None, help="results JSON (default runs/chaos_<mode>_...json)")
   p.add_argument("--dry_run", action="store_true",
@@ -675,7 +676,7 @@ def main(argv=None) -> int:
   m = 2  # --num_workers=2, global batch = 2 local batches (gba, sync)
   faults = schedule(args.mode, args.seed, args.faults, steps // m, args.network_window_s,
                     short=short)
-  time_limit = args.time_limit_s or (170.0 if short else 3 * args.duration_s + 600)
+  time_limit = args.time_limit_s or (420.0 if short else 3 * args.duration_s + 600)
   args.work_dir = args.work_dir or os.path.join(
       os.environ.get("TMPDIR", "/tmp"), f"tf_gba_chaos_{args.mode}_{args.embedding}_{args.seed}")
   model_dir = os.path.join(args.work_dir, "m")
@@ -683,7 +684,10 @@ def main(argv=None) -> int:
                 args.seed, model_dir)
   name = "short" if short else f"{args.mode}_{args.embedding}_seed{args.seed}"
   out = args.out or os.path.join(ROOT, "runs", f"chaos_{name}.json")
-  print(f"chaos drill: {' '.join(cmd[1:])}", flush=True)
+  # As a line of its own, relative to the repository: the documented commands' check dry-runs it.
+  print("chaos drill: the binary's command (rerun after a killed command or a preemption):")
+  print(" ".join([os.path.relpath(cmd[1], ROOT)] + [shlex.quote(a) for a in cmd[2:]]),
+        flush=True)
   limit = (f"stall limit {args.stall_limit_s:g} s (--stall_timeout_s)" if args.mode != "sync"
            else "no stall limit (sync has no --stall_timeout_s)")
   print(f"  {limit}, checkpoint every "
