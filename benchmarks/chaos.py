@@ -380,10 +380,10 @@ class Drill:
       self.wait(f.gap_s)
       rec["did"].append(f"+{f.gap_s:.1f} s: " + self._kill(f.second[len("kill_"):]))
     elif f.kind == "during_recovery":
-      rec["did"].append(self._kill(f.target))
+      old = set(process_tree.servers(self.proc.pid).values())  # the failing job's
       n = len(self.events)
+      rec["did"].append(self._kill(f.target))
       self.wait(120, lambda: any("restarting the job" in e for _, e in self.events[n:]))
-      old = set(process_tree.servers(self.proc.pid).values())
       target = f.second[len("kill_"):]
       # The restarted job's servers are up (or its job process is): it is restoring.
       self.wait(120, lambda: self._fresh(target, old))
