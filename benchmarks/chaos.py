@@ -264,10 +264,12 @@ class Drill:
     now = time.time()
     with self.lock:
       (self.stderr if is_err else self.stdout).append(line)
-      m = _PROGRESS.match(line)
+      # From stdout only: a failed sync job's traceback on stderr quotes its workers' logs,
+      # resumption lines included (a sync run counted a resumption twice, at the wrong time).
+      m = None if is_err else _PROGRESS.match(line)
       if m:
         self.progress.append((now, int(m.group(2))))
-      r = _RESUMED.search(line)
+      r = None if is_err else _RESUMED.search(line)
       if r:
         self.resumes.append((now, int(r.group(1)), int(r.group(2))))
       if is_err and line.startswith(("train.py:", "tf_gba:")):
