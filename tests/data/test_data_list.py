@@ -8,6 +8,7 @@ list's own counters, and compared with the day's ids in NumPy.
 """
 
 import math
+import types
 
 import numpy as np
 import pytest
@@ -240,3 +241,32 @@ def test_a_function_run_again_skips_the_steps_its_first_run_finished(tmp_path):
   assert tokens == trained
   # Each function's every step is recorded as done; number 3 was never scheduled.
   assert done == [4, 4, 4, -1], done
+
+
+def test_the_stall_limit_waits_for_the_first_step_at_least_the_default():
+  # The first step registers functions and opens readers on every worker: a short
+  # --stall_timeout_s holds only once a step has finished.
+  assert shared_input.stall_limit(15.0, trained=False) == shared_input.DEFAULT_STALL_TIMEOUT_S
+  assert shared_input.stall_limit(15.0, trained=True) == 15.0
+  assert shared_input.stall_limit(300.0, trained=False) == 300.0
+
+
+def test_a_restarted_workers_counts_carry_over_its_restart():
+  """A worker killed and started again counts from zero (its per-worker variables are created
+  afresh): what it had counted at the last read stays credited to it."""
+  class Counter:
+    values = []
+
+    def read_all(self):
+      return self.values
+
+  var = Counter()
+  counters = types.SimpleNamespace(read_each=data_list_lib.DayCounters.read_each, _last={},
+                                   _base={})
+  read = lambda: data_list_lib.DayCounters.read_counts(counters, var)  # noqa: E731
+  var.values = [np.array([1, 1, 0]), np.array([0, 1, 1])]
+  assert [v.tolist() for v in read()] == [[1, 1, 0], [0, 1, 1]]
+  var.values = [np.array([0, 0, 1]), np.array([1, 1, 1])]  # worker 0 restarted
+  assert [v.tolist() for v in read()] == [[1, 1, 1], [1, 1, 1]]
+  var.values = [np.array([1, 0, 1]), np.array([1, 1, 1])]
+  assert [v.tolist() for v in read()] == [[2, 1, 1], [1, 1, 1]]

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from benchmarks import process_tree
 from tests.e2e import test_fault_drills as drills
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,33 +62,12 @@ class _TwoHosts:
       p.wait()
 
 
-def _listening_ports(pid):
-  """The TCP ports process `pid` listens on: its sockets (/proc/<pid>/fd) among the listening
-  rows of its network namespace's tables."""
-  inodes = set()
-  for fd in os.listdir(f"/proc/{pid}/fd"):
-    try:
-      target = os.readlink(f"/proc/{pid}/fd/{fd}")
-    except OSError:
-      continue
-    if target.startswith("socket:["):
-      inodes.add(target[len("socket:["):-1])
-  ports = set()
-  for table in ("tcp", "tcp6"):
-    with open(f"/proc/{pid}/net/{table}") as f:
-      for row in f.read().splitlines()[1:]:
-        fields = row.split()
-        if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-          ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-  return ports
-
-
 def _ports_of_servers(root_pid):
   """The ports the run's parameter servers, workers and tf.data workers listen on."""
   ports = set()
-  for pid in drills._descendants(root_pid):  # pylint: disable=protected-access
-    if drills._task(pid) is not None:  # pylint: disable=protected-access
-      ports |= _listening_ports(pid)
+  for pid in process_tree.descendants(root_pid):
+    if process_tree.task(pid) is not None:
+      ports |= set(process_tree.listening_ports(pid))
   return sorted(ports)
 
 

@@ -22,6 +22,7 @@ import warnings
 
 import pytest
 
+from benchmarks import process_tree
 from tests import script_process
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -95,61 +96,11 @@ class _Run:
     return rc
 
 
-def _children(pid):
-  out = []
-  for entry in os.listdir("/proc"):
-    if not entry.isdigit():
-      continue
-    try:
-      with open(f"/proc/{entry}/stat") as f:
-        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-      continue
-    if ppid == pid:
-      out.append(int(entry))
-  return out
-
-
-def _descendants(pid):
-  found, todo = [], [pid]
-  while todo:
-    for child in _children(todo.pop()):
-      found.append(child)
-      todo.append(child)
-  return found
-
-
-def _cmdline(pid):
-  try:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-      return f.read().replace(b"\0", b" ").decode()
-  except OSError:
-    return ""
-
-
-def _comm(pid):
-  try:
-    with open(f"/proc/{pid}/comm") as f:
-      return f.read().strip()
-  except OSError:
-    return ""
-
-
-def _task(pid):
-  """The task a local cluster's server process serves ("ps:0", "tfdata_worker:1"), else None.
-  A server forked by tf_gba.distribute.server_forker carries it as its name (its command line is
-  the forker's); one started as `python -m tf_gba.distribute.server` (TF_GBA_FORK_SERVERS=0) in
-  its arguments."""
-  name = _comm(pid)
-  if re.fullmatch(r"(ps|worker|tfdata_worker):\d+", name):
-    return name
-  cmd = _cmdline(pid).split()
-  if "tf_gba.distribute.server" not in cmd or "--job_name" not in cmd:
-    return None
-  job = cmd[cmd.index("--job_name") + 1]
-  if job == "tfdata_worker":  # numbered by port; the tests need any one of them
-    return "tfdata_worker:?"
-  return f"{job}:{cmd[cmd.index('--task_index') + 1]}" if "--task_index" in cmd else None
+_children = process_tree.children
+_descendants = process_tree.descendants
+_cmdline = process_tree.cmdline
+_comm = process_tree.comm
+_task = process_tree.task
 
 
 def _server(root_pid, job, index):
@@ -167,12 +118,7 @@ def _kill_tree(pid):
       pass
 
 
-def _alive(pid):
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
-    return False
+_alive = process_tree.alive
 
 
 def _latest_checkpoint_step(model_dir):
@@ -384,10 +330,10 @@ def test_killed_coordinator_resumes_when_the_command_is_rerun(tmp_path, tmp_path
 
 def _job_process(root_pid):
   """The job the binary's supervisor runs: the train.py process whose parent is one too."""
-  for pid in _descendants(root_pid):
-    if "examples/train.py" in _cmdline(pid) or _comm(pid) == "train.py":  # run, or forked
-      return pid
-  pytest.fail(f"no job process under the supervisor {root_pid}")
+  pid = process_tree.job_process(root_pid)
+  if pid is None:
+    pytest.fail(f"no job process under the supervisor {root_pid}")
+  return pid
 
 
 def test_a_job_killed_under_its_supervisor_restarts_with_the_signal_recorded(tmp_path,

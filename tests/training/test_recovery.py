@@ -59,6 +59,19 @@ def test_a_call_that_reached_a_restarted_worker_restarts_the_job_as_a_runtime_fa
                          None, jobs=("ps",))
 
 
+def test_a_cancelled_worker_step_restarts_a_parameter_server_job():
+  # The error the chaos drill met (benchmarks/chaos.py): a worker killed while its step was being
+  # enqueued; ClusterCoordinator cancelled every scheduled step and fit raised. Restarted from the
+  # last checkpoint (exit 75) instead of ending the command with exit 1.
+  cancelled = _error(tf.errors.CancelledError,
+                     "RemoteExecuteNode::RunAsync /job:worker/replica:0/task:0 CANCELLED")
+  with pytest.raises(recovery.RuntimeFault, match="CancelledError"):
+    recovery.raise_if_lost(cancelled, None, jobs=("ps",))
+  # The replicated modes name the worker (its replica is lost), as before.
+  with pytest.raises(recovery.WorkerLost):
+    recovery.raise_if_lost(cancelled, None, jobs=("ps", "worker"))
+
+
 def test_the_root_error_is_the_first_that_was_not_a_cancellation():
   cancelled = _error(tf.errors.CancelledError, "RecvFromRemoteAsync is cancelled /job:worker")
   parse = _error(tf.errors.InternalError, _PARSE)
@@ -135,3 +148,58 @@ def test_the_server_that_exited_is_the_one_lost_whichever_jobs_the_error_names()
   with pytest.raises(recovery.WorkerLost, match="worker:1 died"):
     recovery.raise_if_lost(_error(tf.errors.CancelledError, "cancelled"),
                            _Cluster(worker=["worker:1"]), jobs=("ps", "worker"))
+
+
+def test_a_parameter_server_lost_while_the_job_builds_restarts_it():
+  # The chaos drill's kill during recovery: a parameter server killed while a restarted job
+  # created its variables raised UnavailableError outside fit, and the command ended with exit 1.
+  from tf_gba.training import runner  # pylint: disable=g-import-not-at-top
+  with pytest.raises(recovery.ParameterServerLost):
+    with runner._restart_if_lost(None):  # pylint: disable=protected-access
+      raise _error(tf.errors.UnavailableError, "Connection refused /job:ps/replica:0/task:0")
+  with pytest.raises(ValueError):  # anything else is the job's own error, as before
+    with runner._restart_if_lost(None):  # pylint: disable=protected-access
+      raise ValueError("a bug")
+
+
+def test_a_dead_parameter_server_the_job_waits_on_ends_it_for_a_restart(tmp_path, capsys):
+  # The chaos drill's kill during recovery: a parameter server killed while a restarted job was
+  # connecting to its cluster left the job waiting with no end and no message.
+  import threading  # pylint: disable=g-import-not-at-top
+  from tf_gba.training import runner  # pylint: disable=g-import-not-at-top
+
+  class Cluster:
+    def __init__(self, dead):
+      self._dead = dead
+
+    def dead(self, job):
+      assert job == "ps"
+      return self._dead
+
+  exits = []
+  recovery.begin(str(tmp_path), "gba", 400, 0, target_if_new=100)
+  runner.watch_parameter_servers(Cluster(["ps:0"]), threading.Event(), str(tmp_path),
+                                 grace_s=0.2, exit_now=exits.append)
+  assert exits == [recovery.EXIT_RESTART]
+  assert "ps:0 died and the job has waited" in capsys.readouterr().err
+  assert recovery.begin(str(tmp_path), "gba", 400, 0, target_if_new=100).restart_causes == [
+      "ParameterServerLost"]
+  # None dead, or stopped (the job's own teardown): nothing happens.
+  stop = threading.Event()
+  threading.Timer(0.5, stop.set).start()
+  runner.watch_parameter_servers(Cluster([]), stop, str(tmp_path), grace_s=0.2,
+                                 exit_now=exits.append)
+  assert exits == [recovery.EXIT_RESTART]
+
+
+def test_batches_a_checkpoints_data_position_missed_are_reported():
+  from tf_gba.training import runner  # pylint: disable=g-import-not-at-top
+  from tf_gba.training.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  report = {"per_worker_batches": [100, 120], "per_worker_examples": [6400, 7680],
+            "batches": 220, "examples": 14080, "duplicates": 0, "missed": None,
+            "restored_batches": 973}
+  summary = {"per_worker": [{"worker": 0}, {"worker": 1}], "start_global_step": 490,
+             "num_aggregate": 2}
+  runner._add_data_list(summary, report, TrainConfig(mode="gba"))  # pylint: disable=protected-access
+  # The checkpoint at global step 490 followed 980 trained batches; its position counted 973.
+  assert summary["data_list"]["uncounted_batches"] == 7

@@ -106,6 +106,14 @@ def raise_if_lost(error: Exception, cluster, jobs: Sequence[str] = ("ps",)) -> N
                        f"runtime did not run it again ({type(error).__name__}: "
                        f"{_WORKER_CONTEXT_LOST}). Rerun the same command to resume from the "
                        "last checkpoint in model_dir.") from error
+  if isinstance(error, tf.errors.CancelledError) and "/job:worker" in text:
+    # A worker killed while its step was being enqueued: TF's ClusterCoordinator reports the
+    # step CANCELLED, not a worker failure it retries, and cancels every scheduled step
+    # (measured under the chaos drill on a loaded machine, benchmarks/chaos.py). The job's
+    # state past its last checkpoint is unknown then: it resumes from there.
+    raise RuntimeFault("a worker's step was cancelled inside TensorFlow's runtime (CancelledError; "
+                       "a worker killed while its step was being sent). Rerun the same command "
+                       "to resume from the last checkpoint in model_dir.") from error
   fault = next((f for f in _RUNTIME_FAULTS if f in text), None)
   if isinstance(error, tf.errors.InternalError) and fault:
     raise RuntimeFault(f"a call between the job's processes failed inside TensorFlow's runtime "

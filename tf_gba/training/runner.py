@@ -10,6 +10,8 @@ import contextlib
 import dataclasses
 import math
 import os
+import sys
+import threading
 import time
 from typing import Optional
 
@@ -27,6 +29,7 @@ from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.distribute import tf_config as tf_config_lib
 from tf_gba.ops import worker_clock
 from tf_gba.optimizers import GBA
+from tf_gba.common import exiting
 from tf_gba.common import interrupt
 from tf_gba.common import metrics
 from tf_gba.common import scalars as scalars_lib
@@ -80,7 +83,44 @@ def _cluster(config: TrainConfig):
                     log_dir=config.log_dir, keep_logs=config.keep_logs, restart_workers=True,
                     num_tfdata_workers=config.tfdata_workers if config.uses_data_list else 0
                     ) as cluster:
-    yield cluster.resolver(), cluster
+    stop = threading.Event()
+    threading.Thread(target=watch_parameter_servers, args=(cluster, stop, config.model_dir),
+                     daemon=True, name="parameter_server_watchdog").start()
+    try:
+      yield cluster.resolver(), cluster
+    finally:
+      stop.set()
+
+
+# Seconds a local parameter server may be dead before the watchdog ends the job: a loss the job
+# notices (an error of a call to it) is reported within a few seconds (recovery.raise_if_lost).
+LOST_PS_GRACE_S = 20.0
+
+
+def watch_parameter_servers(cluster, stop: threading.Event, model_dir: str,
+                            grace_s: Optional[float] = None, exit_now=exiting.exit_now) -> None:
+  """Ends the job (exit 75: the binary's supervisor restarts it) when a parameter server of the
+  local cluster has been dead for `grace_s` and the job has not noticed. Measured by the chaos
+  drill (benchmarks/chaos.py): a parameter server killed while a restarted job was connecting to
+  its cluster left the job waiting for it with no end and no message; no step was scheduled yet,
+  so the stall watchdog had nothing to watch."""
+  grace_s = LOST_PS_GRACE_S if grace_s is None else grace_s
+  dead_since = None
+  while not stop.wait(min(1.0, grace_s / 4)):
+    dead = cluster.dead("ps")
+    if not dead:
+      dead_since = None
+      continue
+    dead_since = dead_since or time.time()
+    if time.time() - dead_since >= grace_s and not stop.is_set():
+      error = recovery.ParameterServerLost(
+          f"{', '.join(dead)} died and the job has waited {grace_s:.0f} s without noticing (a "
+          "call to it that never returns); its variables are lost. Rerun the same command to "
+          "resume from the last checkpoint in model_dir.")
+      print(f"tf_gba: {error}", file=sys.stderr, flush=True)
+      recovery.record_failure(model_dir, error)
+      exit_now(recovery.EXIT_RESTART)
+      return
 
 
 def wait_for_cluster(config: TrainConfig) -> None:
@@ -473,6 +513,19 @@ def run(config: TrainConfig) -> dict:
   return result
 
 
+@contextlib.contextmanager
+def _restart_if_lost(cluster):
+  """A parameter server lost (or unreachable) in the block is the job's loss (exit 75, the
+  supervisor restarts the job) rather than an error that ends the command: measured by the chaos
+  drill, a parameter server killed while a restarted job created its variables ended the command
+  with exit 1 (UnavailableError from `add_weight`)."""
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-except
+    recovery.raise_if_lost(e, cluster, jobs=("ps",))
+    raise
+
+
 def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
   """A parameter-server mode's run: GBAStrategy, model.fit; writes and prints the summary.
 
@@ -484,7 +537,8 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
   with _cluster(config) as (resolver, cluster):
     cluster_up_unix = time.time()
     strategy = make_strategy(config, resolver)
-    job = _Job(config, strategy)
+    with _restart_if_lost(cluster):  # a server killed while the job builds and restores
+      job = _Job(config, strategy)
     # When the servers were up and when the model was built and restored, and (below) when the
     # final checkpoint began and was written: --mode=auto's account of a switch.
     job.phase_unix = {"started": cluster_up_unix, "restored": time.time()}
@@ -733,6 +787,11 @@ def fit_shared(model, optimizer, shared, epochs: int, callbacks=(), steps_per_ep
   except Exception as e:  # pylint: disable=broad-except
     if shared.stalled is None:
       raise
+    if not shared.day_mode:
+      # A run of --steps has a target to reach: a stall (a server that stopped answering, a
+      # stalled link) restarts the job from its last checkpoint instead of ending it short.
+      raise recovery.Stalled(f"{shared.stalled}; restarting the job from its last "
+                             "checkpoint") from e
     _log(f"tf_gba: the day ended early: {shared.stalled} ({type(e).__name__})")
     history = model.history
   finally:
@@ -757,6 +816,13 @@ def _add_data_list(summary: dict, report: dict, config: TrainConfig) -> None:
   summary["examples"] = report["examples"]
   summary["duplicates"] = report["duplicates"]
   summary["missed"] = report["missed"]
+  if config.mode in ("gba", "async") and report.get("restored_batches"):
+    # There every push takes a token and M tokens make a global step, so the checkpoint resumed
+    # from was written after start_global_step x M trained batches. Those its data position does
+    # not count (a worker restarted in place trained them after the coordinator's last read of
+    # its counts) were listed again and trained twice: re-reads the summary reports here.
+    report["uncounted_batches"] = max(
+        0, summary["start_global_step"] * summary["num_aggregate"] - report["restored_batches"])
 
 
 def _optimizer_stats(optimizer) -> dict:

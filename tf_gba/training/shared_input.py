@@ -46,6 +46,14 @@ DEFAULT_STALL_TIMEOUT_S = 120.0
 HELD_AHEAD_PER_WORKER = 4
 
 
+def stall_limit(timeout: float, trained: bool) -> float:
+  """Seconds without a finished step that make a stall. Before the run's first step finished, at
+  least DEFAULT_STALL_TIMEOUT_S: the first step registers the functions and opens the data
+  service's readers on every worker, which took over 15 s on a loaded 2-core machine (the chaos
+  drill's `--stall_timeout_s=15` restarted a job that had not hung)."""
+  return timeout if trained else max(timeout, DEFAULT_STALL_TIMEOUT_S)
+
+
 class DataServiceStalled(RuntimeError):
   """No training step finished for too long: the shared data list stopped delivering."""
 
@@ -121,7 +129,7 @@ class SharedInput:
     the steps finished by then trained. None while a worker is being restarted (its counters
     cannot be read then).
     """
-    each = self.counters.read_each(self.counters.seen)
+    each = self.counters.read_counts(self.counters.seen)
     if any(v is None for v in each):
       return None
     return self.restored_seen + np.stack(each).astype(np.int64).sum(0)
@@ -279,6 +287,7 @@ class SharedInput:
     timeout = self.config.stall_timeout_s
 
     def loop():
+      trained = False
       while self._watching:
         time.sleep(min(1.0, timeout / 4))
         now = time.time()
@@ -286,12 +295,15 @@ class SharedInput:
           done = [v for v in self._pending if pipelining.finished(v)]
           self._pending = [v for v in self._pending if not pipelining.finished(v)]
           waiting = bool(self._pending)
+        trained = trained or bool(done)
+        limit = stall_limit(timeout, trained)
         if done or not waiting:
           self._last_progress = now
-        elif now - self._last_progress > timeout:
-          self.stalled = (f"no training step finished for {timeout:.0f} s while "
-                          f"{len(self._pending)} were scheduled: the shared data list stopped "
-                          "delivering (a tf.data worker lost?)")
+        elif now - self._last_progress > limit:
+          self.stalled = (f"no training step finished for {limit:.0f} s while "
+                          f"{len(self._pending)} were scheduled (--stall_timeout_s): the "
+                          "shared data list stopped delivering or a server stopped answering "
+                          "(a tf.data worker lost, a stalled link?)")
           _fail_scheduled_steps(self.coordinator, DataServiceStalled(self.stalled))
           return
 
