@@ -254,15 +254,9 @@ def test_the_stall_limit_waits_for_the_first_step_at_least_the_default():
 def test_a_restarted_workers_counts_carry_over_its_restart():
   """A worker killed and started again counts from zero (its per-worker variables are created
   afresh): what it had counted at the last read stays credited to it."""
-  class Counter:
-    values = []
-
-    def read_all(self):
-      return self.values
-
-  var = Counter()
-  counters = types.SimpleNamespace(read_each=data_list_lib.DayCounters.read_each, _last={},
-                                   _base={})
+  var = types.SimpleNamespace(values=[])
+  # Each worker's value as read_each returns it (read from the workers in the cluster tests).
+  counters = types.SimpleNamespace(read_each=lambda v: list(v.values), _last={}, _base={})
   read = lambda: data_list_lib.DayCounters.read_counts(counters, var)  # noqa: E731
   var.values = [np.array([1, 1, 0]), np.array([0, 1, 1])]
   assert [v.tolist() for v in read()] == [[1, 1, 0], [0, 1, 1]]

@@ -176,10 +176,12 @@ def _check_finished(summary, mode, reference, rerun_steps=0):
   if summary.get("data_list"):
     # Counted from the batch ids at the last progress line, which the workers do not stop for
     # (tf_gba.training.pipelining): the counts and the global step read there agree within the
-    # steps in flight (one running and one queued per worker) and a partial global step.
-    workers = summary["num_workers"]
-    assert abs(summary["batches_reread"] - summary["steps_redone"] * m) <= 2 * workers + m - 1, (
-        summary["batches_reread"], summary["steps_redone"], m)
+    # steps that finish between the two reads (a worker runs the steps of its function one after
+    # another, with no round trip to the coordinator between them: up to a function's k steps,
+    # one running and one queued function per worker) and a partial global step.
+    workers, k = summary["num_workers"], summary.get("steps_per_execution", 1)
+    assert abs(summary["batches_reread"] - summary["steps_redone"] * m) <= 2 * workers * k + m - 1, (
+        summary["batches_reread"], summary["steps_redone"], m, k)
   else:
     assert summary["batches_reread"] == summary["steps_redone"] * m
   _check_auc(summary, reference)

@@ -422,6 +422,12 @@ class _Job:
       self.straggler_position.elapsed_ns.assign([w["position_elapsed_ns"] for w in positions])
     # (A worker restarted mid-run is unreachable here: the position saved last is kept.)
     step = int(self.optimizer.iterations.numpy())
+    if self.shared_input is not None and getattr(self, "data_position", None) is not None:
+      if seen is not None:
+        # What the run has trained at least, as at a progress line: a checkpoint can come after
+        # the last line (and a kill right after it), and the record must not be behind the
+        # position a resumption restores.
+        recovery.record_seen(self.config.model_dir, seen, step)
     latest = self.manager.latest_checkpoint
     if latest and latest.endswith(f"-{step}"):
       return latest  # nothing new since the last one
