@@ -410,6 +410,7 @@ class _Job:
     run's last one is full."""
     if self.pipeline is not None:
       self.pipeline.settle()
+    seen = None
     if self.shared_input is not None and getattr(self, "data_position", None) is not None:
       seen = self.shared_input.seen_total()
       # Unreadable while a worker restarts: the position saved last stays, behind the model, so
@@ -422,12 +423,11 @@ class _Job:
       self.straggler_position.elapsed_ns.assign([w["position_elapsed_ns"] for w in positions])
     # (A worker restarted mid-run is unreachable here: the position saved last is kept.)
     step = int(self.optimizer.iterations.numpy())
-    if self.shared_input is not None and getattr(self, "data_position", None) is not None:
-      if seen is not None:
-        # What the run has trained at least, as at a progress line: a checkpoint can come after
-        # the last line (and a kill right after it), and the record must not be behind the
-        # position a resumption restores.
-        recovery.record_seen(self.config.model_dir, seen, step)
+    if seen is not None:
+      # What the run has trained at least, as at a progress line: a checkpoint can come after
+      # the last line (and a kill right after it), and the record must not be behind the
+      # position a resumption restores.
+      recovery.record_seen(self.config.model_dir, seen, step)
     latest = self.manager.latest_checkpoint
     if latest and latest.endswith(f"-{step}"):
       return latest  # nothing new since the last one
@@ -522,9 +522,10 @@ def run(config: TrainConfig) -> dict:
 @contextlib.contextmanager
 def _restart_if_lost(cluster):
   """A parameter server lost (or unreachable) in the block is the job's loss (exit 75, the
-  supervisor restarts the job) rather than an error that ends the command: measured by the chaos
-  drill, a parameter server killed while a restarted job created its variables ended the command
-  with exit 1 (UnavailableError from `add_weight`)."""
+  supervisor restarts the job) rather than an error that ends the command: around training, and
+  around building the job, where (measured by the chaos drill) a parameter server killed while a
+  restarted job created its variables ended the command with exit 1 (UnavailableError from
+  `add_weight`)."""
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except
@@ -629,7 +630,7 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     t0 = time.time()
     history = keras.callbacks.History()
     history.history = {}
-    try:
+    with _restart_if_lost(cluster):
       if shared is not None:
         history = fit_shared(job.model, job.optimizer, shared, epochs, callbacks,
                              epoch_steps(config), job=job)
@@ -640,9 +641,6 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
                        epoch_steps(config), callbacks, job=job)
         # Fewer when a callback stopped the run early.
         epochs = max(1, len(history.history.get("loss", [])))
-    except Exception as e:  # pylint: disable=broad-except
-      recovery.raise_if_lost(e, cluster, jobs=("ps",))
-      raise
     if interrupt.requested() is not None:
       _stop_on_signal(job)
     t1 = time.time()
