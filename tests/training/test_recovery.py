@@ -36,9 +36,11 @@ def test_an_unreachable_server_is_named_by_its_job():
   with pytest.raises(recovery.WorkerLost, match="a worker died or became unreachable"):
     recovery.raise_if_lost(_error(tf.errors.UnavailableError, "Socket closed /job:worker/task:0"),
                            None, jobs=("ps", "worker"))
-  # A job outside `jobs` (a parameter-server mode restarts its workers in place) is not a loss.
-  recovery.raise_if_lost(_error(tf.errors.UnavailableError, "Socket closed /job:worker/task:0"),
-                         None, jobs=("ps",))
+  # A job outside `jobs` (a parameter-server mode restarts its workers in place) is no loss of
+  # it: the job restarts from its last checkpoint as a RuntimeFault.
+  with pytest.raises(recovery.RuntimeFault):
+    recovery.raise_if_lost(_error(tf.errors.UnavailableError, "Socket closed /job:worker/task:0"),
+                           None, jobs=("ps",))
 
 
 _CONTEXT_LOST = (
@@ -54,8 +56,16 @@ def test_a_call_that_reached_a_restarted_worker_restarts_the_job_as_a_runtime_fa
   resumes from its last checkpoint."""
   with pytest.raises(recovery.RuntimeFault, match="a worker restarted while a call to it"):
     recovery.raise_if_lost(_error(tf.errors.AbortedError, _CONTEXT_LOST), None, jobs=("ps",))
-  # Any other abort naming a worker is still no loss in these modes.
-  recovery.raise_if_lost(_error(tf.errors.AbortedError, "Socket closed /job:worker/task:0"),
+  # Any other worker failure that reaches the job (TF's coordinator did not recover it in place)
+  # restarts it too: the chaos drill's killed worker, raised from `coordinator.schedule`.
+  reset = ("recvmsg:Connection reset by peer\nAdditional GRPC error information from remote "
+           "target /job:worker/replica:0/task:0 while calling /tensorflow.eager.EagerService/"
+           "Enqueue")
+  for cls in (tf.errors.AbortedError, tf.errors.UnavailableError):
+    with pytest.raises(recovery.RuntimeFault, match="recovered in place"):
+      recovery.raise_if_lost(_error(cls, reset), None, jobs=("ps",))
+  # Errors of the job's own naming a worker are not restarted.
+  recovery.raise_if_lost(_error(tf.errors.InvalidArgumentError, "bad shape on /job:worker/task:0"),
                          None, jobs=("ps",))
 
 
@@ -70,6 +80,38 @@ def test_a_cancelled_worker_step_restarts_a_parameter_server_job():
   # The replicated modes name the worker (its replica is lost), as before.
   with pytest.raises(recovery.WorkerLost):
     recovery.raise_if_lost(cancelled, None, jobs=("ps", "worker"))
+
+
+_READ_CANCELLED = ("Graph execution error:\n\n2 root error(s) found.\n  (0) CANCELLED:  Function "
+                   "was cancelled before it was started\n  (1) CANCELLED:  "
+                   "EagerClusterFunctionLibraryRuntime::Run\n0 successful operations.")
+
+
+def test_a_cancelled_coordinator_read_restarts_the_job_and_is_read_again_first():
+  # The CI run of the killed-worker drill: the progress line's read of the optimizer's counters,
+  # cancelled while the restarted worker was rejoined; it names no server and none died.
+  cancelled = _error(tf.errors.CancelledError, _READ_CANCELLED)
+  with pytest.raises(recovery.RuntimeFault, match="cancelled inside TensorFlow's runtime"):
+    recovery.raise_if_lost(cancelled, None, jobs=("ps",))
+  calls = []
+
+  def read():
+    calls.append(1)
+    if len(calls) < 3:
+      raise cancelled
+    return 7
+
+  assert recovery.retry_cancelled(read, attempts=3, wait_s=0.0) == 7 and len(calls) == 3
+  calls.clear()
+  with pytest.raises(tf.errors.CancelledError):
+    recovery.retry_cancelled(read, attempts=2, wait_s=0.0)
+  assert len(calls) == 2
+
+  def broken():
+    raise tf.errors.InvalidArgumentError(None, None, "bad")
+
+  with pytest.raises(tf.errors.InvalidArgumentError):  # only cancellations are read again
+    recovery.retry_cancelled(broken, attempts=3, wait_s=0.0)
 
 
 def test_the_root_error_is_the_first_that_was_not_a_cancellation():

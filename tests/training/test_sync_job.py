@@ -208,3 +208,25 @@ def test_bad_input_is_refused_before_starting_workers(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="starts its own worker processes"):
     sync_job.run_sync(_config(tmp_path))
   assert not os.path.exists(tmp_path / "worker_logs")
+
+
+def test_a_killed_or_cut_off_worker_ends_sync_as_a_restartable_loss():
+  """A worker killed, or one whose all-reduce lost its peers, ends sync in one line with exit 75
+  (recovery.WorkerLost: the rerun resumes from the last checkpoint), never the cluster's
+  traceback; the model's own errors keep the ClusterError and its logs."""
+  from tf_gba.distribute.collective_cluster import ClusterError
+  from tf_gba.training import recovery
+
+  def failing(**kw):
+    with sync_job._lost_worker_is_restartable("/logs"):  # pylint: disable=protected-access
+      raise ClusterError("worker(s) failed", **kw)
+
+  with pytest.raises(recovery.WorkerLost, match=r"worker:1 was killed \(SIGKILL\).*/logs"):
+    failing(exit_codes={1: -9, 0: 1}, log_tails={0: "UnavailableError", 1: ""})
+  with pytest.raises(recovery.WorkerLost, match=r"worker:0 lost a peer or its link "
+                                                r"\(UnavailableError\)"):
+    failing(exit_codes={0: 1}, log_tails={0: "tensorflow...UnavailableError: Socket closed"})
+  with pytest.raises(ClusterError):
+    failing(exit_codes={0: 1}, log_tails={0: "ValueError: bad shape"})
+  with pytest.raises(ClusterError):
+    failing()  # a time-out names no worker

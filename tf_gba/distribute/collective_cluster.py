@@ -42,11 +42,17 @@ _LOG_TAIL_CHARS = 4000
 
 
 class ClusterError(RuntimeError):
-  """A worker failed, or the cluster did not finish in time. `pids`: the workers' process ids."""
+  """A worker failed, or the cluster did not finish in time. `pids`: the workers' process ids;
+  `exit_codes`: {index: exit code} of the workers that failed (negative: killed by that signal);
+  `log_tails`: {index: the end of its log} for them."""
 
-  def __init__(self, message: str, pids: Optional[List[int]] = None):
+  def __init__(self, message: str, pids: Optional[List[int]] = None,
+               exit_codes: Optional[Dict[int, int]] = None,
+               log_tails: Optional[Dict[int, str]] = None):
     super().__init__(message)
     self.pids = list(pids or [])
+    self.exit_codes = dict(exit_codes or {})
+    self.log_tails = dict(log_tails or {})
 
 
 def tf_config(addresses: List[str], index: int, task_type: str = "worker") -> Dict:
@@ -183,7 +189,9 @@ def run_collective_cluster(target: str, num_workers: int = 2,
       tails = "\n".join(f"--- worker {i} ({path}) ---\n{_tail(path)}"
                         for i, path in enumerate(logs))
       raise ClusterError(f"{failure}; logs kept in {log_dir}\n{tails}",
-                         pids=[proc.pid for proc in procs])
+                         pids=[proc.pid for proc in procs],
+                         exit_codes={i: procs[i].poll() for i in failed},
+                         log_tails={i: _tail(logs[i]) for i in failed})
     results = []
     for path in results_files:
       with open(path) as f:

@@ -15,9 +15,11 @@ import dataclasses
 import json
 import os
 import time
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 # Exit code of a run that lost a parameter server: the job can go on from its last checkpoint
 # (EX_TEMPFAIL: try again).
@@ -106,6 +108,15 @@ def raise_if_lost(error: Exception, cluster, jobs: Sequence[str] = ("ps",)) -> N
                        f"runtime did not run it again ({type(error).__name__}: "
                        f"{_WORKER_CONTEXT_LOST}). Rerun the same command to resume from the "
                        "last checkpoint in model_dir.") from error
+  if (isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError))
+      and "/job:worker" in text):
+    # A worker's failure that ClusterCoordinator did not recover in place: it re-raises one that
+    # comes while its closures are being cancelled (measured: the chaos drill's killed worker,
+    # "recvmsg:Connection reset by peer" raised from `coordinator.schedule`). Resume from the
+    # last checkpoint rather than end the command.
+    raise RuntimeFault(f"a worker's failure ({type(error).__name__}) reached the coordinator "
+                       "instead of being recovered in place by TensorFlow's runtime. Rerun the "
+                       "same command to resume from the last checkpoint in model_dir.") from error
   if isinstance(error, tf.errors.CancelledError) and "/job:worker" in text:
     # A worker killed while its step was being enqueued: TF's ClusterCoordinator reports the
     # step CANCELLED, not a worker failure it retries, and cancels every scheduled step
@@ -114,6 +125,15 @@ def raise_if_lost(error: Exception, cluster, jobs: Sequence[str] = ("ps",)) -> N
     raise RuntimeFault("a worker's step was cancelled inside TensorFlow's runtime (CancelledError; "
                        "a worker killed while its step was being sent). Rerun the same command "
                        "to resume from the last checkpoint in model_dir.") from error
+  if isinstance(error, tf.errors.CancelledError):
+    # No call of the job's is cancelled by the job itself: TF's runtime cancels a coordinator's
+    # call when it rebuilds its cluster context after a worker failure (measured: the progress
+    # line's read of the optimizer's counters, "Function was cancelled before it was started",
+    # after a killed worker rejoined; no process named, none dead). Resume from the last
+    # checkpoint rather than end the command.
+    raise RuntimeFault("a call of the coordinator's was cancelled inside TensorFlow's runtime "
+                       "(CancelledError, while a restarted server was rejoined). Rerun the same "
+                       "command to resume from the last checkpoint in model_dir.") from error
   fault = next((f for f in _RUNTIME_FAULTS if f in text), None)
   if isinstance(error, tf.errors.InternalError) and fault:
     raise RuntimeFault(f"a call between the job's processes failed inside TensorFlow's runtime "
@@ -126,6 +146,19 @@ def _lost(job: str, what: str, error: Exception) -> JobLost:
   return cls(f"{what} died or became unreachable ({type(error).__name__}); {lost}. Rerun the "
              "same command (once every server is back) to resume from the last checkpoint in "
              "model_dir.")
+
+
+def retry_cancelled(read: Callable[[], T], attempts: int = 3, wait_s: float = 1.0) -> T:
+  """`read()`, called again (up to `attempts` times in all, `wait_s` apart) while it raises
+  CancelledError: for the coordinator's idempotent reads of the servers' state, which TF's runtime
+  cancels while it rejoins a restarted worker (see raise_if_lost); a read that still fails raises."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  for _ in range(attempts - 1):
+    try:
+      return read()
+    except tf.errors.CancelledError:
+      time.sleep(wait_s)
+  return read()
 
 
 def root_error(errors: Sequence[BaseException]) -> BaseException:

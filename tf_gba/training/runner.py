@@ -41,6 +41,7 @@ from tf_gba.training import mode_registry
 from tf_gba.training import pipelining
 from tf_gba.training import preflight
 from tf_gba.training import recovery
+from tf_gba.training import slow_interval
 from tf_gba.training import resharding
 from tf_gba.training import summary as summary_lib
 from tf_gba.training.config import TrainConfig
@@ -144,6 +145,7 @@ class _Progress(keras.callbacks.Callback):
     self._last_eval = 0
     self.warm = None  # (time, steps, per-worker stats) after the first interval (tracing, start-up)
     self._last_line = None  # steps finished at the last progress line
+    self._slow = slow_interval.SlowIntervalWatch(waits_for_every_worker=False)
     # The loss of the last epoch that trained (see `_epoch_loss`).
     self.last_loss = None
 
@@ -182,8 +184,13 @@ class _Progress(keras.callbacks.Callback):
         # the end of the list run through epochs of no-op reads while the last steps finish.
         return
       self._last_line = steps
-    stats = _optimizer_stats(job.optimizer)
-    seen = job.shared_input.seen_total() if job.shared_input is not None else None
+      said = self._slow.interval(time.time(), steps, [w["steps"] for w in workers])
+      if said:
+        _log(said)  # beside the progress lines: what the job did, not an error
+    # Reads only, so read again when TF's runtime cancels them (recovery.retry_cancelled).
+    stats = recovery.retry_cancelled(lambda: _optimizer_stats(job.optimizer))
+    seen = (recovery.retry_cancelled(job.shared_input.seen_total)
+            if job.shared_input is not None else None)
     if seen is not None:
       recovery.record_seen(job.config.model_dir, seen, stats["global_step"])
     recovery.report(job.config.model_dir, stats["global_step"])

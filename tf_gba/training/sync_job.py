@@ -17,6 +17,7 @@ a checkpoint written by one mode restores in the other, and the same straggler p
 same workers.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -46,6 +47,7 @@ from tf_gba.training import hash_tables
 from tf_gba.training import preflight
 from tf_gba.training import recovery
 from tf_gba.training import resharding
+from tf_gba.training import slow_interval
 from tf_gba.training import summary as summary_lib
 from tf_gba.training.config import TrainConfig
 from tf_gba.training.evaluation import eval_dataset
@@ -378,6 +380,7 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None,
   every = max(1, cfg.checkpoint_every_steps // num_workers) if cfg.checkpoint_every_steps else 0
   last_save = time.perf_counter()
   periodic = 0
+  slow = slow_interval.SlowIntervalWatch(waits_for_every_worker=True)
   for step in range(1, total + 1):
     losses.append(strategy.experimental_local_results(train_step(iterator))[0])
     if every and step % every == 0 and step != total:
@@ -403,6 +406,9 @@ def run_worker(config: dict, auto: dict = None, stop_file: str = None,
       warm = (now, step)
     log(f"step {step * num_workers}/{total * num_workers}  global step {start_step + step}  "
         f"loss {final_loss:.4f}  QPS {qps:,.0f}")
+    said = slow.interval(now, step * num_workers)
+    if said:
+      log(said)
     if is_chief and resume is not None:
       recovery.report(cfg.model_dir, start_step + step)
     if (stop_file and step < total and
@@ -594,6 +600,38 @@ def summarize(config: TrainConfig, results: List[dict]) -> dict:
       **({"worker_restarts": 0} if "restarts" in chief else {}))
 
 
+# What a worker's log ends with when a peer of its all-reduce died or its link failed: it exits
+# with an error of TF's runtime, not of the model's.
+_PEER_LOST = ("UnavailableError", "Connection reset", "Socket closed", "Connection refused",
+              "failed to connect", "DeadlineExceededError", "Collective ops is aborted",
+              "AbortedError")
+
+
+@contextlib.contextmanager
+def _lost_worker_is_restartable(log_dir: str):
+  """A worker killed, or one that lost its peers, ends the run as a WorkerLost (one line, exit
+  75: the rerun resumes from the last checkpoint) rather than the cluster's traceback: sync's
+  all-reduce cannot go on without every worker, and this process restarts none of them. Any
+  other failure (the model's own error, a time-out) stays a ClusterError with the logs' ends."""
+  from tf_gba.distribute.collective_cluster import ClusterError  # pylint: disable=g-import-not-at-top
+  try:
+    yield
+  except ClusterError as e:
+    killed = sorted((i, -c) for i, c in e.exit_codes.items() if c is not None and c < 0)
+    lost = sorted(i for i, tail in e.log_tails.items() if any(p in tail for p in _PEER_LOST))
+    if killed:
+      what = f"worker:{killed[0][0]} was killed ({signal.Signals(killed[0][1]).name})"
+    elif lost:
+      cause = next(p for p in _PEER_LOST if p in e.log_tails[lost[0]])
+      what = f"worker:{lost[0]} lost a peer or its link ({cause})"
+    else:
+      raise
+    raise recovery.WorkerLost(
+        f"{what}; sync's all-reduce cannot go on without every worker. Rerun the same command "
+        "(once every worker can be reached) to resume from the last checkpoint in model_dir "
+        f"(the workers' logs: {log_dir}).") from e
+
+
 def run_sync(config: TrainConfig, timeout_s: float = 24 * 3600.0, auto: dict = None) -> dict:
   """Trains synchronously on `config.num_workers` local worker processes; returns the summary.
 
@@ -636,11 +674,12 @@ def run_sync(config: TrainConfig, timeout_s: float = 24 * 3600.0, auto: dict = N
 
   interrupt.on_request(request_stop)
   try:
-    results = run_collective_cluster(
-        "tf_gba.training.sync_job:run_worker", num_workers=config.num_workers,
-        kwargs={"config": dataclasses.asdict(config), "stop_file": stop_file,
-                **({"auto": auto} if auto is not None else {})},
-        timeout_s=timeout_s, log_dir=log_dir)
+    with _lost_worker_is_restartable(log_dir):
+      results = run_collective_cluster(
+          "tf_gba.training.sync_job:run_worker", num_workers=config.num_workers,
+          kwargs={"config": dataclasses.asdict(config), "stop_file": stop_file,
+                  **({"auto": auto} if auto is not None else {})},
+          timeout_s=timeout_s, log_dir=log_dir)
   finally:
     interrupt.remove_on_request(request_stop)
     stop.set()

@@ -1,0 +1,58 @@
+"""What the job did about a slow interval, said in one line at the progress line that ends it.
+
+A stalled link or a slow server shows as an interval between two progress lines that took far
+longer than the usual one. A synchronous job waits for its slowest worker; GBA's other workers go
+on, and the stalled worker's gradients, pushed when its link is back, are judged by their
+staleness. The job says which it did, so that a user reading the log need not infer it. (A stall
+past --stall_timeout_s restarts the job instead: recovery.Stalled says so.)
+"""
+
+import statistics
+from typing import List, Optional, Sequence
+
+# An interval is slow when its seconds per step are this many times the median of the last
+# intervals', and it lost at least MIN_EXTRA_S to it: a busy machine's jitter (measured here:
+# intervals within 1.5x of each other on a quiet machine, 2x on a loaded one) says nothing.
+SLOW_FACTOR = 3.0
+MIN_EXTRA_S = 5.0
+# The usual interval: the median of these many last ones (the first one, with tracing, excluded).
+HISTORY = 10
+# A worker that made fewer than this share of the mean steps of the interval was the slow one.
+BEHIND_SHARE = 0.5
+
+
+class SlowIntervalWatch:
+  """Fed each progress line's time and step counts; returns the line to print, or None."""
+
+  def __init__(self, waits_for_every_worker: bool):
+    self._sync = waits_for_every_worker
+    self._rates: List[float] = []  # seconds per step of the last intervals
+    self._last = None  # (time, steps, per-worker steps) at the last line
+
+  def interval(self, now: float, steps: int,
+               per_worker: Optional[Sequence[int]] = None) -> Optional[str]:
+    """`steps`: worker steps finished so far; `per_worker`: each worker's (None: not known)."""
+    last, self._last = self._last, (now, steps, list(per_worker) if per_worker else None)
+    if last is None or steps <= last[1]:
+      return None
+    seconds, made = now - last[0], steps - last[1]
+    rate = seconds / made
+    usual = statistics.median(self._rates) if len(self._rates) >= 2 else None
+    self._rates = (self._rates + [rate])[-HISTORY:]
+    if usual is None or rate < SLOW_FACTOR * usual or seconds - usual * made < MIN_EXTRA_S:
+      return None
+    head = (f"tf_gba: the last {made} steps took {seconds:.0f} s, {rate / usual:.0f}x the usual "
+            f"({usual * made:.1f} s)")
+    if self._sync:
+      return f"{head}: waited for the slowest worker (sync: every step waits for every worker)."
+    behind = []
+    if per_worker and last[2] and len(last[2]) == len(per_worker):
+      made_each = [max(0, b - a) for a, b in zip(last[2], per_worker)]
+      mean = sum(made_each) / len(made_each)
+      behind = [i for i, n in enumerate(made_each) if n < BEHIND_SHARE * mean]
+    if behind and len(behind) < len(per_worker):
+      names = ", ".join(f"worker:{i}" for i in behind)
+      return (f"{head}: {names} fell behind; worked around it: the other workers went on "
+              "(its late gradients are judged by their staleness).")
+    return (f"{head}: every worker was held up (a parameter server, the data list or every link "
+            "slow); waited for it (--stall_timeout_s restarts the job past a limit).")
