@@ -18,6 +18,8 @@ list. The drill injects, at global steps drawn from --seed (read from the progre
   during_checkpoint                           a kill while a checkpoint is being written
   stall                                       one server's port dropped (iptables) for 5-30 s while
                                               its process lives
+  partition                                   the coordinator cut off from every server (its ports
+                                              dropped) for 10-30 s while every process lives
   bandwidth                                   loopback limited to 20-100 Mbit/s (tc tbf)
   loss                                        1-5 % of the packets dropped (iptables statistic)
 
@@ -61,13 +63,15 @@ TRAIN = os.path.join(ROOT, "examples", "train.py")
 
 KILLS = ("kill_ps", "kill_worker", "kill_tfdata_worker", "kill_job", "kill_coordinator")
 COMPOUND = ("sigterm", "double", "during_recovery", "during_checkpoint")
-NETWORK = ("stall", "bandwidth", "loss")
+NETWORK = ("stall", "partition", "bandwidth", "loss")
 KINDS = KILLS + COMPOUND + NETWORK
 # The kinds each mode can be given. sync (MultiWorkerMirroredStrategy) has no parameter server,
 # no shared data list and no supervisor: its job is the command.
 MODE_KINDS = {
     "gba": KINDS,
-    "sync": ("kill_worker", "kill_coordinator", "sigterm", "during_checkpoint") + NETWORK,
+    # (sync has no coordinator to cut off: its chief is worker 0, whose stall is a `stall`.)
+    "sync": ("kill_worker", "kill_coordinator", "sigterm", "during_checkpoint", "stall",
+             "bandwidth", "loss"),
 }
 # The short schedule (tests/e2e/test_chaos_drill.py): at these global steps of an 800-step gba
 # run (M = 2: 400 global steps), five faults of four kinds. A preemption is left to
@@ -128,6 +132,8 @@ def schedule(mode: str, seed: int, faults: int, global_steps: int, long_window: 
     f = Fault(kind=kind, at=at)
     if kind == "stall":
       f.target, f.duration_s = rng.choice(roles), float(rng.randint(5, 30))
+    elif kind == "partition":
+      f.target, f.duration_s = "job", float(rng.randint(10, 30))
     elif kind == "bandwidth":
       f.rate_mbit, f.duration_s = rng.choice((20, 50, 100)), long_window
     elif kind == "loss":
@@ -440,6 +446,18 @@ class Drill:
                   ["-p", "tcp", "--sport", str(port), "-j", "DROP"]]
       did.append(f"{process_tree.task(pid) if pid else f.target}'s port(s) {ports} dropped for "
                  f"{f.duration_s:g} s ({net.iptables})")
+    elif f.kind == "partition":
+      # The coordinator cut off from every server while they live and reach each other: the
+      # job process's listening port (its tf.data dispatcher) and the local ports of the
+      # connections it holds to the servers. (A connection it opens anew, on a new port, gets
+      # through; TF's channels are long-lived.)
+      pid = self._pid("job")
+      ports = process_tree.local_ports(pid) if pid else []
+      for port in ports:
+        rules += [["-p", "tcp", "--dport", str(port), "-j", "DROP"],
+                  ["-p", "tcp", "--sport", str(port), "-j", "DROP"]]
+      did.append(f"the coordinator (pid {pid}) cut off: its {len(ports)} port(s) dropped for "
+                 f"{f.duration_s:g} s ({net.iptables})")
     elif f.kind == "loss":
       rules.append(["-m", "statistic", "--mode", "random", "--probability",
                     f"{f.loss_pct / 100:.4f}", "-j", "DROP"])
@@ -513,7 +531,7 @@ class Drill:
                   int(rec.get("progress_lines_during", 0)))
       self.wait(float(self.deadline - time.time()), lambda: self.training())
       rec["trained_again_after_s"] = round(time.time() - self.t0 - rec["t"], 1)
-      if f.kind == "stall" and "window_s" in rec:
+      if f.kind in ("stall", "partition") and "window_s" in rec:
         rec["reaction"] = self.stall_reaction(rec)
       self.records.append(rec)
       self.log(_fault_line(rec))
@@ -660,8 +678,8 @@ def main(argv=None) -> int:
   p.add_argument("--duration_s", type=float, default=600.0,
                  help=f"sets --steps to {STEPS_PER_SECOND} worker steps per second of it")
   p.add_argument("--steps", type=int, default=None, help="worker steps of the run")
-  p.add_argument("--faults", type=int, default=12,
-                 help="faults in the schedule (every kind of the mode at least once from 12)")
+  p.add_argument("--faults", type=int, default=13,
+                 help="faults in the schedule (every kind of the mode at least once from 13)")
   p.add_argument("--checkpoint_every", type=int, default=None,
                  help="--checkpoint_every_steps of the binary (default 200; short: 100)")
   p.add_argument("--stall_limit_s", type=float, default=None,

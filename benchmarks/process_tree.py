@@ -96,6 +96,16 @@ def alive(pid: int) -> bool:
 def listening_ports(pid: int) -> List[int]:
   """The TCP ports `pid` listens on, in its network namespace: its sockets' inodes matched
   against the namespace's tables of listening sockets (/proc/<pid>/net/tcp, tcp6)."""
+  return _local_ports(pid, listening_only=True)
+
+
+def local_ports(pid: int) -> List[int]:
+  """The local TCP ports of every socket of `pid`: those it listens on and those of the
+  connections it opened (a client's ephemeral ports)."""
+  return _local_ports(pid, listening_only=False)
+
+
+def _local_ports(pid: int, listening_only: bool) -> List[int]:
   inodes = set()
   try:
     for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -114,7 +124,7 @@ def listening_ports(pid: int) -> List[int]:
         next(f)
         for line in f:
           fields = line.split()
-          if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+          if (fields[3] == "0A" or not listening_only) and fields[9] in inodes:  # 0A: LISTEN
             ports.add(int(fields[1].rsplit(":", 1)[1], 16))
     except (OSError, StopIteration):
       continue
