@@ -84,10 +84,11 @@ SHORT = (
     dict(kind="loss", at=320, loss_pct=3.0, duration_s=10.0),
 )
 SHORT_STEPS, SHORT_CHECKPOINT_EVERY, SHORT_STALL_LIMIT_S = 800, 100, 15.0
-# Undisturbed speed measured here (gba, 2 workers, local batch 64, 2 CPU cores shared): about 22
-# worker steps a second; a run of --duration_s gets this many steps per second of it, so that the
-# faults' restarts and stalls fill the rest.
-STEPS_PER_SECOND = 14
+# Undisturbed speed measured here (gba, 2 workers, local batch 64, 10 steps per function, the
+# quiet 2-core machine): about 60 worker steps a second (22 at one step per function on a shared
+# machine); a run of --duration_s gets this many steps per second of it, so that the faults'
+# restarts and stalls fill the rest.
+STEPS_PER_SECOND = 40
 # Faults after which the job restarts (or the command is rerun); a worker or a tf.data worker is
 # restarted in place, and a network fault may or may not restart it.
 _RESTARTS = ("kill_ps", "kill_job", "kill_coordinator", "sigterm", "double", "during_recovery",
@@ -490,15 +491,21 @@ class Drill:
     """What the job did about a stall, from the stall's start until it trained again: one line."""
     start, elapsed = rec["window_start"], rec["window_s"]
     with self.lock:
-      restarted = [e for t, e in self.events if t > start and "restarting the job" in e]
+      # The supervisor's restart, or (sync: no supervisor) the command's end and rerun.
+      restarted = [e for t, e in self.events if t > start and (
+          "restarting the job" in e or e.startswith("drill: the command ended"))]
       # The job's own line about the slow interval (tf_gba.training.slow_interval), printed with
       # the first progress line after the stall: it knows which worker fell behind, where the
       # drill sees no progress line at all while the line waits for the stalled link.
       said = [e for t, e in self.events if start < t <= start + elapsed + 30
               and e.startswith(_SLOW_INTERVAL)]
     if restarted:
-      return (f"restarted: no step finished for --stall_timeout_s={self.stall_limit_s:g} s, the "
-              f"job restarted from its last checkpoint ({restarted[0]})")
+      # Why, in the job's own first line after the stall began (Stalled past --stall_timeout_s,
+      # a lost server, sync's lost peer).
+      with self.lock:
+        cause = next((e for t, e in self.events if t > start and e.startswith("train.py:")),
+                     restarted[0])
+      return f"restarted from the last checkpoint ({cause})"
     if said:
       verdict = "worked around" if "worked around" in said[0] else "waited for"
       return f"{verdict}: the job said so ({said[0][len('tf_gba: '):]})"
