@@ -778,7 +778,7 @@ def main(argv=None) -> int:
           f"{r.get('resumed_at')}, global steps redone {r.get('steps_redone')}")
   stalls = [r for r in drill.records if "reaction" in r]
   for r in stalls:
-    print(f"stall: {r['did'][0]} -> {r['reaction']}")
+    print(f"{r['kind']}: {r['did'][0]} -> {r['reaction']}")
   if summary:
     print(f"summary: restarts {summary.get('restarts')} {summary.get('restart_causes')}, "
           f"worker restarts {summary.get('worker_restarts')}, tf.data worker restarts "
