@@ -52,7 +52,8 @@ class SlowIntervalWatch:
       behind = [i for i, n in enumerate(made_each) if n < BEHIND_SHARE * mean]
     if behind and len(behind) < len(per_worker):
       names = ", ".join(f"worker:{i}" for i in behind)
-      return (f"{head}: {names} fell behind; worked around it: the other workers went on "
-              "(its late gradients are judged by their staleness).")
+      slow = sum(made_each[i] for i in behind)
+      return (f"{head}: {names} made {slow} of them; worked around it: the other workers made "
+              "the rest (its late gradients are judged by their staleness).")
     return (f"{head}: every worker was held up (a parameter server, the data list or every link "
             "slow); waited for it (--stall_timeout_s restarts the job past a limit).")
