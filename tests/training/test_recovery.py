@@ -245,3 +245,27 @@ def test_batches_a_checkpoints_data_position_missed_are_reported():
   runner._add_data_list(summary, report, TrainConfig(mode="gba"))  # pylint: disable=protected-access
   # The checkpoint at global step 490 followed 980 trained batches; its position counted 973.
   assert summary["data_list"]["uncounted_batches"] == 7
+
+
+def test_an_executor_deleted_after_a_lost_server_is_not_reported_on_stderr(monkeypatch):
+  """The job's stderr after a lost parameter server held, besides the loss's one line, "Exception
+  ignored in: <function Executor.__del__ ...>" tracebacks (UnavailableError: Socket closed) from
+  the eager executors of the threads that had called it; they are dropped, other ones are not."""
+  import sys  # pylint: disable=g-import-not-at-top
+  heard = []
+  monkeypatch.setattr(sys, "unraisablehook", lambda u: heard.append(type(u.exc_value).__name__))
+  recovery.quiet_executors_of_a_lost_server()
+  recovery.quiet_executors_of_a_lost_server()  # once per process: not wrapped twice
+
+  class Executor:
+    def __init__(self, error):
+      self.error = error
+
+    def __del__(self):
+      raise self.error
+
+  Executor(tf.errors.UnavailableError(None, None, "Socket closed /job:ps/replica:0/task:0"))
+  Executor(tf.errors.CancelledError(None, None, "cancelled"))
+  assert heard == []
+  Executor(ValueError("a bug of the job's own"))
+  assert heard == ["ValueError"]

@@ -14,6 +14,7 @@ run meant to go and how far it had got.
 import dataclasses
 import json
 import os
+import sys
 import time
 from typing import Callable, List, Optional, Sequence, TypeVar
 
@@ -146,6 +147,27 @@ def _lost(job: str, what: str, error: Exception) -> JobLost:
   return cls(f"{what} died or became unreachable ({type(error).__name__}); {lost}. Rerun the "
              "same command (once every server is back) to resume from the last checkpoint in "
              "model_dir.")
+
+
+def quiet_executors_of_a_lost_server() -> None:
+  """Drops one message on stderr: when a server dies, the eager executors of the threads that
+  called it (the replicated modes' drivers, ClusterCoordinator's worker threads) are deleted and
+  raise, unheard, that the socket closed (a traceback after "Exception ignored in"), around the
+  time the main thread learns of the loss. The loss itself is reported once, by a JobLost.
+  Installed once per process (a job may run again in it)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  default = sys.unraisablehook
+  if getattr(default, "tf_gba_quiet_executors", False):
+    return
+
+  def hook(unraisable):
+    if (isinstance(unraisable.exc_value, (tf.errors.UnavailableError, tf.errors.CancelledError))
+        and "Executor.__del__" in repr(unraisable.object)):
+      return
+    default(unraisable)
+
+  hook.tf_gba_quiet_executors = True
+  sys.unraisablehook = hook
 
 
 def retry_cancelled(read: Callable[[], T], attempts: int = 3, wait_s: float = 1.0) -> T:

@@ -551,6 +551,7 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
   with _cluster(config) as (resolver, cluster):
     cluster_up_unix = time.time()
     strategy = make_strategy(config, resolver)
+    recovery.quiet_executors_of_a_lost_server()  # after a lost parameter server
     with _restart_if_lost(cluster):  # a server killed while the job builds and restores
       job = _Job(config, strategy)
     # When the servers were up and when the model was built and restored, and (below) when the

@@ -29,7 +29,6 @@ slots), so a checkpoint of sync, gba or async restores into it and its checkpoin
 """
 
 import os
-import sys
 import threading
 import time
 from typing import Dict, List
@@ -588,25 +587,6 @@ class _Alg2Coordination(_AsgdCoordinationBase):
     return {**super().summary(), "asgd_algorithm": 2}
 
 
-def _quiet_executors_of_a_lost_server() -> None:
-  """Drops one message on stderr: when a server dies, each driver thread's eager executor is
-  deleted with the thread and raises, unheard, that the socket closed (a traceback after
-  "Exception ignored in"), before the main thread learns of the loss. The loss itself is
-  reported once, by recovery.JobLost. Installed once per process (train() may run again)."""
-  default = sys.unraisablehook
-  if getattr(default, "tf_gba_quiet_executors", False):
-    return
-
-  def hook(unraisable):
-    if (isinstance(unraisable.exc_value, (tf.errors.UnavailableError, tf.errors.CancelledError))
-        and "Executor.__del__" in repr(unraisable.object)):
-      return
-    default(unraisable)
-
-  hook.tf_gba_quiet_executors = True
-  sys.unraisablehook = hook
-
-
 class _Monitor:
   """Runs in the coordinator's main thread while the workers train: a progress line (and the
   run's progress record) every `log_every` worker steps, and the periodic checkpoints
@@ -681,7 +661,7 @@ def train(config, resolver, num_workers: int, num_ps: int, timeout_s: float = 36
   raises recovery.JobLost, and the binary starts the job again, which resumes from the last
   checkpoint toward the same target (tf_gba.training.recovery), as in the other modes."""
   cfg = config
-  _quiet_executors_of_a_lost_server()
+  recovery.quiet_executors_of_a_lost_server()
   rt.connect(resolver)
   data_kwargs = cfg.data_kwargs()
   info = data_lib.data_info(cfg.data, **data_kwargs)
