@@ -95,6 +95,12 @@ _RESTARTS = ("kill_ps", "kill_job", "kill_coordinator", "sigterm", "double", "du
              "during_checkpoint")
 # How tf_gba.training.slow_interval's lines begin (not imported: the drill runs without TF).
 _SLOW_INTERVAL = "tf_gba: the last "
+def _port_drops(ports: List[int]) -> List[List[str]]:
+  """iptables rules dropping every TCP packet to or from these local ports."""
+  return [["-p", "tcp", direction, str(port), "-j", "DROP"]
+          for port in ports for direction in ("--dport", "--sport")]
+
+
 _CLEAN_EXITS = (0, 75, 143, -signal.SIGKILL)
 _PROGRESS = re.compile(r"^step (\d+)/\d+\s+global step (\d+)")
 _RESUMED = re.compile(r"resuming an interrupted run \(restart (\d+)\): global step (\d+)")
@@ -442,9 +448,7 @@ class Drill:
     if f.kind == "stall":
       pid = self._pid(f.target)
       ports = process_tree.listening_ports(pid) if pid else []
-      for port in ports:
-        rules += [["-p", "tcp", "--dport", str(port), "-j", "DROP"],
-                  ["-p", "tcp", "--sport", str(port), "-j", "DROP"]]
+      rules += _port_drops(ports)
       did.append(f"{process_tree.task(pid) if pid else f.target}'s port(s) {ports} dropped for "
                  f"{f.duration_s:g} s ({net.iptables})")
     elif f.kind == "partition":
@@ -454,9 +458,7 @@ class Drill:
       # through; TF's channels are long-lived.)
       pid = self._pid("job")
       ports = process_tree.local_ports(pid) if pid else []
-      for port in ports:
-        rules += [["-p", "tcp", "--dport", str(port), "-j", "DROP"],
-                  ["-p", "tcp", "--sport", str(port), "-j", "DROP"]]
+      rules += _port_drops(ports)
       did.append(f"the coordinator (pid {pid}) cut off: its {len(ports)} port(s) dropped for "
                  f"{f.duration_s:g} s ({net.iptables})")
     elif f.kind == "loss":
