@@ -41,8 +41,8 @@ from tf_gba.training import mode_registry
 from tf_gba.training import pipelining
 from tf_gba.training import preflight
 from tf_gba.training import recovery
-from tf_gba.training import slow_interval
 from tf_gba.training import resharding
+from tf_gba.training import slow_interval
 from tf_gba.training import summary as summary_lib
 from tf_gba.training.config import TrainConfig
 from tf_gba.training.evaluation import eval_dataset
