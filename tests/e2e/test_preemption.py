@@ -88,10 +88,14 @@ def test_sigterm_checkpoints_and_the_rerun_resumes_from_it(tmp_path, tmp_path_fa
   assert os.path.dirname(checkpoint) == model_dir
   assert checkpoint.endswith(f"ckpt-{global_step}")
   # Within the interval in flight: at most one progress interval (and its settle) after the line,
-  # and the functions the workers were running (k worker steps each).
+  # and the functions the workers were running (k worker steps each). On a parameter-server mode
+  # a line reports the steps finished while one more function per worker stays queued behind
+  # the running ones (tf_gba.training.pipelining: `spare`), so as many again may follow.
   m = reference["num_aggregate"]
   running = reference["num_workers"] * reference.get("steps_per_execution", 1)
-  assert global_step * m <= at + 2 * per_line + running + m, (global_step, at, running)
+  queued = running if mode != "sync" else 0
+  assert global_step * m <= at + 2 * per_line + running + queued + m, (
+      global_step, at, running, queued)
   assert stop_seconds < 60, stop_seconds
   assert not os.path.exists(os.path.join(model_dir, "summary.json"))
 
