@@ -70,8 +70,10 @@ KINDS = KILLS + COMPOUND + NETWORK
 MODE_KINDS = {
     "gba": KINDS,
     # (sync has no coordinator to cut off: its chief is worker 0, whose stall is a `stall`.)
-    "sync": ("kill_worker", "kill_coordinator", "sigterm", "during_checkpoint", "stall",
-             "bandwidth", "loss"),
+    # Its "double" is two workers (or a worker and the command) within 5 s; its "during_recovery"
+    # a worker killed, then the rerun command's new worker killed as it comes up.
+    "sync": ("kill_worker", "kill_coordinator", "sigterm", "double", "during_recovery",
+             "during_checkpoint", "stall", "bandwidth", "loss"),
 }
 # The short schedule (tests/e2e/test_chaos_drill.py): at these global steps of an 800-step gba
 # run (M = 2: 400 global steps), five faults of four kinds. A preemption is left to
@@ -149,7 +151,8 @@ def schedule(mode: str, seed: int, faults: int, global_steps: int, long_window: 
       f.target = rng.choice(kills)[len("kill_"):]
       f.second, f.gap_s = rng.choice(kills), rng.uniform(1.0, 5.0)
     elif kind == "during_recovery":
-      f.target, f.second, f.gap_s = "ps", rng.choice(("kill_ps", "kill_job")), rng.uniform(0, 2)
+      second = ("kill_ps", "kill_job") if mode != "sync" else ("kill_worker",)
+      f.target, f.second, f.gap_s = roles[0], rng.choice(second), rng.uniform(0, 2)
     elif kind == "during_checkpoint":
       f.target = rng.choice(("job", "ps")) if mode != "sync" else "worker"
     elif kind in KILLS:
@@ -404,7 +407,9 @@ class Drill:
       old = set(process_tree.servers(self.proc.pid).values())  # the failing job's
       n = len(self.events)
       rec["did"].append(self._kill(f.target))
-      self.wait(120, lambda: any("restarting the job" in e for _, e in self.events[n:]))
+      # The supervisor's restart, or (sync: no supervisor) the command's end and the rerun.
+      self.wait(120, lambda: any("restarting the job" in e or e.startswith("drill: the command")
+                                 for _, e in self.events[n:]))
       target = f.second[len("kill_"):]
       # The restarted job's servers are up (or its job process is): it is restoring.
       self.wait(120, lambda: self._fresh(target, old))

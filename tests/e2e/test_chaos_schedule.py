@@ -19,6 +19,13 @@ def test_every_kind_of_a_mode_comes_once_in_a_schedule_of_as_many_faults():
   assert "partition" in chaos.MODE_KINDS["gba"] and "partition" not in chaos.MODE_KINDS["sync"]
   partitions = [f for f in chaos.schedule("gba", 0, 13, 4200) if f.kind == "partition"]
   assert partitions[0].target == "job" and 10 <= partitions[0].duration_s <= 30
+  # sync has workers only: its two kills in a row and its kill during a recovery (the rerun
+  # command's) are of workers.
+  for f in chaos.schedule("sync", 0, len(chaos.MODE_KINDS["sync"]), 4200):
+    if f.kind in ("double", "during_recovery"):
+      assert (f.target, f.second) == ("worker", "kill_worker"), f
+    if f.kind == "double":
+      assert 1.0 <= f.gap_s <= 5.0, f
 
 
 def test_a_partition_drops_the_listening_and_the_connected_ports_of_a_process():
