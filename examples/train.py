@@ -428,6 +428,15 @@ def _supervise() -> int:
     time.sleep(1.0)
 
 
+def _without_rerun_advice(message: str) -> str:
+  """A lost job's line, without its advice to rerun the command where this process's supervisor
+  restarts the job itself (its next line says so); a user reruns only when it gives up."""
+  if _SUPERVISOR_ENV not in os.environ:
+    return message
+  advice = message.find(" Rerun the same command")
+  return message if advice < 0 else message[:advice]
+
+
 def _start_job(env):
   """The job as a child process in a process group of its own: a new interpreter running this
   command, or, in a supervisor that has imported TensorFlow without running it (a fork of a
@@ -542,7 +551,7 @@ def _entry(argv):
   except recovery.JobLost as e:
     if _debug():
       raise
-    print(f"train.py: {e}", file=sys.stderr, flush=True)
+    print(f"train.py: {_without_rerun_advice(str(e))}", file=sys.stderr, flush=True)
     recovery.record_failure(FLAGS.model_dir, e)  # the resumed run's summary says why
     _end_logs(keep=False)
     exiting.exit_now(recovery.EXIT_RESTART)
