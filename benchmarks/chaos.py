@@ -402,7 +402,13 @@ class Drill:
     elif f.kind == "double":
       rec["did"].append(self._kill(f.target))
       self.wait(f.gap_s)
-      rec["did"].append(f"+{f.gap_s:.1f} s: " + self._kill(f.second[len("kill_"):]))
+      second = f.second[len("kill_"):]
+      if self._pid(second) is None:
+        # The first kill took it with it (sync: the command ended, and its rerun has no worker
+        # yet; a restarted worker not yet listed): the second fault is the command's, within
+        # the same seconds, rather than none.
+        second = "coordinator"
+      rec["did"].append(f"+{f.gap_s:.1f} s: " + self._kill(second))
     elif f.kind == "during_recovery":
       old = set(process_tree.servers(self.proc.pid).values())  # the failing job's
       n = len(self.events)
