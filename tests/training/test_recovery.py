@@ -146,6 +146,24 @@ def test_the_causes_of_restarts_reach_the_resumed_run(tmp_path):
   assert not new.resumed and new.restart_causes == [] and new.restarts == 0
 
 
+def test_servers_restarted_in_place_before_a_restart_of_the_job_reach_the_resumed_run(tmp_path):
+  d = str(tmp_path)
+  recovery.begin(d, "gba", 400, 0, target_if_new=100)
+  # A worker restarted in place, then the job restarted (TF's runtime re-raised its failure).
+  recovery.record_server_restarts(d, {"ps": 0, "worker": 1, "tfdata_worker": 0})
+  second = recovery.begin(d, "gba", 400, 20, target_if_new=120)
+  assert second.server_restarts == {"ps": 0, "worker": 1, "tfdata_worker": 0}
+  # Nothing restarted in that run: the count stays; two more in the next run are added.
+  recovery.record_server_restarts(d, {"ps": 0, "worker": 0, "tfdata_worker": 0})
+  recovery.record_server_restarts(d, {"ps": 0, "worker": 1, "tfdata_worker": 1})
+  third = recovery.begin(d, "gba", 400, 40, target_if_new=140)
+  assert third.server_restarts == {"ps": 0, "worker": 2, "tfdata_worker": 1}
+  # A finished run's counts are not the next run's.
+  recovery.report(d, 100, finished=True)
+  recovery.record_server_restarts(d, {"worker": 5})
+  assert recovery.begin(d, "gba", 400, 100, target_if_new=200).server_restarts == {}
+
+
 def test_a_run_killed_between_its_list_counts_and_its_report_redoes_the_counted_steps(tmp_path):
   # The killed coordinator's job goes on for up to a second: it may die after writing a
   # progress line's list counts and before the line's report. The resumed run counts the steps
@@ -197,10 +215,10 @@ def test_a_parameter_server_lost_while_the_job_builds_restarts_it():
   # created its variables raised UnavailableError outside fit, and the command ended with exit 1.
   from tf_gba.training import runner  # pylint: disable=g-import-not-at-top
   with pytest.raises(recovery.ParameterServerLost):
-    with runner._restart_if_lost(None):  # pylint: disable=protected-access
+    with runner._restart_if_lost(None, "/nonexistent"):  # pylint: disable=protected-access
       raise _error(tf.errors.UnavailableError, "Connection refused /job:ps/replica:0/task:0")
   with pytest.raises(ValueError):  # anything else is the job's own error, as before
-    with runner._restart_if_lost(None):  # pylint: disable=protected-access
+    with runner._restart_if_lost(None, "/nonexistent"):  # pylint: disable=protected-access
       raise ValueError("a bug")
 
 

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 import time
-from typing import Callable, List, Optional, Sequence, TypeVar
+from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
 import numpy as np
 
@@ -221,6 +221,9 @@ class Progress:
   # Why the failed runs ended (`record_failure`): a JobLost's class name, or the signal a job
   # died of. A coordinator killed with its command records nothing.
   restart_causes: List[str] = dataclasses.field(default_factory=list)
+  # Servers the failed runs' local clusters started again in place ("worker", "tfdata_worker"):
+  # a worker killed and restarted before the job itself restarted is still one the run survived.
+  server_restarts: Dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _path(model_dir: str) -> str:
@@ -258,7 +261,9 @@ def begin(model_dir: str, mode: str, steps: int, start_global_step: int,
     progress = Progress(int(prev["target_global_step"]), start_global_step,
                         int(prev.get("restarts", 0)) + 1,
                         int(prev.get("steps_redone", 0)) + redone, resumed=True,
-                        restart_causes=[str(c) for c in prev.get("restart_causes", [])])
+                        restart_causes=[str(c) for c in prev.get("restart_causes", [])],
+                        server_restarts={str(k): int(v) for k, v in
+                                         prev.get("server_restarts", {}).items()})
   else:
     progress = Progress(target_if_new, start_global_step)
     # A new run: the last run's record of trained batches is not this run's.
@@ -272,7 +277,8 @@ def begin(model_dir: str, mode: str, steps: int, start_global_step: int,
                      "finished": False,
                      "batches_reread": int(prev.get("batches_reread", 0))
                                        if progress.resumed else 0,
-                     "restart_causes": progress.restart_causes})
+                     "restart_causes": progress.restart_causes,
+                     "server_restarts": progress.server_restarts})
   return progress
 
 
@@ -285,6 +291,19 @@ def record_failure(model_dir: str, cause) -> None:
     return
   name = cause if isinstance(cause, str) else type(cause).__name__
   record["restart_causes"] = list(record.get("restart_causes", [])) + [name]
+  _write(model_dir, record)
+
+
+def record_server_restarts(model_dir: str, restarts: Dict[str, int]) -> None:
+  """Adds the servers this run's local cluster started again in place (its `restarts`) to the
+  run's record, as the run ends in a failure: the resumed run's summary counts them."""
+  record = read(model_dir)
+  if record is None or record.get("finished") or not any(restarts.values()):
+    return
+  total = dict(record.get("server_restarts", {}))
+  for job, n in restarts.items():
+    total[job] = int(total.get(job, 0)) + int(n)
+  record["server_restarts"] = total
   _write(model_dir, record)
 
 

@@ -527,15 +527,18 @@ def run(config: TrainConfig) -> dict:
 
 
 @contextlib.contextmanager
-def _restart_if_lost(cluster):
+def _restart_if_lost(cluster, model_dir: str):
   """A parameter server lost (or unreachable) in the block is the job's loss (exit 75, the
   supervisor restarts the job) rather than an error that ends the command: around training, and
   around building the job, where (measured by the chaos drill) a parameter server killed while a
   restarted job created its variables ended the command with exit 1 (UnavailableError from
-  `add_weight`)."""
+  `add_weight`). The servers the local cluster restarted in place so far go to the run's record
+  first, for the resumed run's summary."""
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except
+    if cluster is not None:
+      recovery.record_server_restarts(model_dir, cluster.restarts)
     recovery.raise_if_lost(e, cluster, jobs=("ps",))
     raise
 
@@ -552,7 +555,7 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     cluster_up_unix = time.time()
     strategy = make_strategy(config, resolver)
     recovery.quiet_executors_of_a_lost_server()  # after a lost parameter server
-    with _restart_if_lost(cluster):  # a server killed while the job builds and restores
+    with _restart_if_lost(cluster, config.model_dir):  # a server killed while the job builds
       job = _Job(config, strategy)
     # When the servers were up and when the model was built and restored, and (below) when the
     # final checkpoint began and was written: --mode=auto's account of a switch.
@@ -638,7 +641,7 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     t0 = time.time()
     history = keras.callbacks.History()
     history.history = {}
-    with _restart_if_lost(cluster):
+    with _restart_if_lost(cluster, config.model_dir):
       if shared is not None:
         history = fit_shared(job.model, job.optimizer, shared, epochs, callbacks,
                              epoch_steps(config), job=job)
@@ -719,9 +722,10 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
         # global steps redone.
         "batches_reread": (batches_reread if batches_reread is not None
                            else resume.steps_redone * m),
-        "worker_restarts": cluster.restarts["worker"] if cluster is not None else 0,
-        "tfdata_worker_restarts": (cluster.restarts["tfdata_worker"] if cluster is not None
-                                   else 0)})
+        # Those of the failed runs before this one too (their local clusters').
+        **{f"{job}_restarts": resume.server_restarts.get(job, 0) + (
+            cluster.restarts[job] if cluster is not None else 0)
+           for job in ("worker", "tfdata_worker")}})
     job.writer.write(epochs * epoch_steps(config),
                      {"eval/auc": evaluation["auc"], "eval/logloss": evaluation["logloss"]})
     summary_lib.write(config.model_dir, summary)
