@@ -532,13 +532,17 @@ def _restart_if_lost(cluster, model_dir: str):
   supervisor restarts the job) rather than an error that ends the command: around training, and
   around building the job, where (measured by the chaos drill) a parameter server killed while a
   restarted job created its variables ended the command with exit 1 (UnavailableError from
-  `add_weight`). The servers the local cluster restarted in place so far go to the run's record
-  first, for the resumed run's summary."""
+  `add_weight`). The workers and tf.data workers the local cluster restarted in place so far, or
+  lost, go to the run's record first, for the resumed run's summary."""
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except
     if cluster is not None:
-      recovery.record_server_restarts(model_dir, cluster.restarts)
+      # A worker dead and not yet restarted (its failure reached the job first) is started
+      # again with the job.
+      recovery.record_server_restarts(model_dir, {
+          job: n + len(cluster.dead(job)) if job != "ps" else n
+          for job, n in cluster.restarts.items()})
     recovery.raise_if_lost(e, cluster, jobs=("ps",))
     raise
 
