@@ -537,14 +537,20 @@ def _restart_if_lost(cluster, model_dir: str):
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except
-    if cluster is not None:
-      # A worker dead and not yet restarted (its failure reached the job first) is started
-      # again with the job.
-      recovery.record_server_restarts(model_dir, {
-          job: n + len(cluster.dead(job)) if job != "ps" else n
-          for job, n in cluster.restarts.items()})
+    _record_server_restarts(cluster, model_dir)
     recovery.raise_if_lost(e, cluster, jobs=("ps",))
     raise
+
+
+def _record_server_restarts(cluster, model_dir: str) -> None:
+  """The workers and tf.data workers the local cluster restarted in place, or lost, in this run,
+  to the run's record as the run ends before its target: the resumed run's summary counts them."""
+  if cluster is not None:
+    # A worker dead and not yet restarted (its failure reached the job first) is started again
+    # with the job.
+    recovery.record_server_restarts(model_dir, {
+        job: n + len(cluster.dead(job)) if job != "ps" else n
+        for job, n in cluster.restarts.items()})
 
 
 def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
@@ -657,6 +663,7 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
         # Fewer when a callback stopped the run early.
         epochs = max(1, len(history.history.get("loss", [])))
     if interrupt.requested() is not None:
+      _record_server_restarts(cluster, config.model_dir)
       _stop_on_signal(job)
     t1 = time.time()
     worker_stats = strategy.worker_step_stats()
