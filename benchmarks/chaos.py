@@ -97,15 +97,15 @@ _RESTARTS = ("kill_ps", "kill_job", "kill_coordinator", "sigterm", "double", "du
              "during_checkpoint")
 # How tf_gba.training.slow_interval's lines begin (not imported: the drill runs without TF).
 _SLOW_INTERVAL = "tf_gba: the last "
+_CLEAN_EXITS = (0, 75, 143, -signal.SIGKILL)
+_PROGRESS = re.compile(r"^step (\d+)/\d+\s+global step (\d+)")
+_RESUMED = re.compile(r"resuming an interrupted run \(restart (\d+)\): global step (\d+)")
+
+
 def _port_drops(ports: List[int]) -> List[List[str]]:
   """iptables rules dropping every TCP packet to or from these local ports."""
   return [["-p", "tcp", direction, str(port), "-j", "DROP"]
           for port in ports for direction in ("--dport", "--sport")]
-
-
-_CLEAN_EXITS = (0, 75, 143, -signal.SIGKILL)
-_PROGRESS = re.compile(r"^step (\d+)/\d+\s+global step (\d+)")
-_RESUMED = re.compile(r"resuming an interrupted run \(restart (\d+)\): global step (\d+)")
 
 
 @dataclasses.dataclass

@@ -542,6 +542,11 @@ def _restart_if_lost(cluster, model_dir: str):
     raise
 
 
+# The servers a local cluster starts again in place when they die (a parameter server's death
+# restarts the job instead); the summary counts them over the run's restarts.
+_RESTARTED_IN_PLACE = ("worker", "tfdata_worker")
+
+
 def _record_server_restarts(cluster, model_dir: str) -> None:
   """The workers and tf.data workers the local cluster restarted in place, or lost, in this run,
   to the run's record as the run ends before its target: the resumed run's summary counts them."""
@@ -549,8 +554,7 @@ def _record_server_restarts(cluster, model_dir: str) -> None:
     # A worker dead and not yet restarted (its failure reached the job first) is started again
     # with the job.
     recovery.record_server_restarts(model_dir, {
-        job: n + len(cluster.dead(job)) if job != "ps" else n
-        for job, n in cluster.restarts.items()})
+        job: cluster.restarts[job] + len(cluster.dead(job)) for job in _RESTARTED_IN_PLACE})
 
 
 def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
@@ -736,7 +740,7 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
         # Those of the failed runs before this one too (their local clusters').
         **{f"{job}_restarts": resume.server_restarts.get(job, 0) + (
             cluster.restarts[job] if cluster is not None else 0)
-           for job in ("worker", "tfdata_worker")}})
+           for job in _RESTARTED_IN_PLACE}})
     job.writer.write(epochs * epoch_steps(config),
                      {"eval/auc": evaluation["auc"], "eval/logloss": evaluation["logloss"]})
     summary_lib.write(config.model_dir, summary)
