@@ -79,6 +79,8 @@ class _AtEpochEnd(keras.callbacks.Callback):
     return sum(w["steps"] for w in self.strategy.worker_step_stats())
 
   def on_epoch_end(self, epoch, logs=None):
+    if epoch == 0:
+      self.strategy.function_seconds()  # from here on: the first functions' set-up is left out
     scheduled = (epoch + 1) * STEPS_PER_EPOCH
     row = {"scheduled": scheduled, "finished": self._finished(), "loss": logs["loss"]}
     if epoch in self.settle_at:
@@ -103,9 +105,13 @@ def test_epoch_ends_leave_the_slow_step_running_and_settle_waits_for_it(tmp_path
     recorder.pipeline = pipelining.Pipeline(model, coordinator, spare=WORKERS)
     _fit(recorder.pipeline, model, [recorder])
     per_worker = [w["steps"] for w in strategy.worker_step_stats()]
+    functions = strategy.function_seconds()
     trained = int(model.trained.numpy())
     restored_join = coordinator.join
-  print(recorder.seen, per_worker)
+  print(recorder.seen, per_worker, functions)
+  # The coordinator timed each worker's functions: the slow worker's one-step functions take
+  # at least its 800 ms step (100 ms compute floor x 8), longer than any of the fast worker's.
+  assert len(functions) == WORKERS and functions[0] >= 0.8 > functions[1] > 0, functions
   # The coordinator's own join is back after fit.
   assert restored_join == original_join
   # At epoch ends without a settle the slow worker's step was still running at least once, and

@@ -37,3 +37,47 @@ def test_jitter_and_short_delays_say_nothing():
   # The first intervals (no usual one yet) and an interval without steps say nothing.
   fresh = slow_interval.SlowIntervalWatch(waits_for_every_worker=True)
   assert _feed(fresh, [(0, 0, None), (30, 40, None), (60, 40, None)]) == [None, None, None]
+
+
+def _feed_timed(watch, lines):
+  return [watch.interval(t, steps, each, functions) for t, steps, each, functions in lines]
+
+
+_USUAL = [(0, 0, [0, 0], [0.3, 0.3]), (2, 40, [20, 20], [0.4, 0.3]), (4, 80, [40, 40], [0.3, 0.4])]
+
+
+def test_a_worker_whose_function_was_long_held_the_interval_up_whatever_the_counts():
+  # A worker's link cut for 12 s: the other one goes on only until the progress line, so the
+  # counts are even (the case step counts alone called "every worker held up"); the coordinator
+  # waited 13 s for one of worker 1's functions and at most 0.4 s for worker 0's.
+  watch = slow_interval.SlowIntervalWatch(waits_for_every_worker=False)
+  said = _feed_timed(watch, _USUAL + [(18, 120, [60, 60], [0.4, 13.0])])
+  assert said[:3] == [None] * 3
+  lost = 14 - 2.0  # 40 steps in 14 s against 2 s
+  assert 13.0 >= slow_interval.HELD_SHARE * lost > 0.4
+  assert said[3].startswith("tf_gba: the last 40 steps took 14 s, 7x the usual (2.0 s): "
+                            "worker:1 made 20 of them and held it up (a function of 13 s, the "
+                            "others' at most 0.4 s); worked around it until the progress line")
+
+
+def test_every_worker_with_long_functions_was_held_up_even_when_counts_name_one():
+  # A parameter server's link cut for 5 s: every worker's steps wait on it. Counts of whole
+  # functions can leave one worker behind (a hash run at 12,000 steps read it as worker:0's);
+  # every function was long, so every worker was held up.
+  watch = slow_interval.SlowIntervalWatch(waits_for_every_worker=False)
+  said = _feed_timed(watch, _USUAL + [(13, 120, [50, 70], [6.0, 5.5])])
+  assert "every worker was held up (each one's longest function 6 s)" in said[3]
+  assert "waited for it" in said[3] and "worked around" not in said[3]
+
+
+def test_no_long_function_means_the_coordinator_itself_was_held_up():
+  watch = slow_interval.SlowIntervalWatch(waits_for_every_worker=False)
+  said = _feed_timed(watch, _USUAL + [(14, 120, [60, 60], [0.5, 0.4])])
+  assert said[3].endswith("no worker's function took long (at most 0.5 s): the coordinator was "
+                          "held up (a checkpoint, a read of the servers, a busy machine); waited "
+                          "for it (--stall_timeout_s restarts the job past a limit).")
+  # Unknown function times (None): the step counts decide, as before.
+  counted = slow_interval.SlowIntervalWatch(waits_for_every_worker=False)
+  said = _feed_timed(counted, [(t, s, e, None) for t, s, e, _ in _USUAL] +
+                     [(18, 120, [44, 76], None)])
+  assert "worker:0 made 4 of them; worked around it" in said[3]

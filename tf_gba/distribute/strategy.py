@@ -24,6 +24,7 @@ import tensorflow as tf
 from tf_gba.common import arguments
 from tf_gba.common import autograph
 from tf_gba.common import keras_apply
+from tf_gba.distribute import function_times as function_times_lib
 from tf_gba.distribute import modes as modes_lib
 from tf_gba.distribute import step_context
 from tf_gba.distribute import steps_per_execution as steps_per_execution_lib
@@ -185,7 +186,8 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
 
   # ParameterServerStrategy keeps its ClusterCoordinator here; ClusterCoordinator(strategy)
   # stores itself on first use. Its join() is wrapped as it arrives so that blocked workers are
-  # released at the end of every join (see `_join_releasing_blocked_workers`).
+  # released at the end of every join (see `_join_releasing_blocked_workers`), and its workers'
+  # functions are timed (`function_seconds`).
   @property
   def _cluster_coordinator(self):
     return self.__dict__.get("_gba_coordinator")
@@ -196,7 +198,27 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
       original = coordinator.join
       coordinator.join = lambda: self._join_releasing_blocked_workers(coordinator, original)
       coordinator._gba_join_wrapped = True  # pylint: disable=protected-access
+      self._time_functions_from_the_first_schedule(coordinator)
     self.__dict__["_gba_coordinator"] = coordinator
+
+  def _time_functions_from_the_first_schedule(self, coordinator) -> None:
+    # The coordinator arrives here before its worker threads exist (ClusterCoordinator.__new__
+    # stores it, __init__ starts them), and every function passes through `schedule`: the first
+    # call puts the timers on the threads and gives `schedule` back.
+    schedule = coordinator.schedule
+
+    def first_schedule(*args, **kwargs):
+      self.__dict__["_gba_function_times"] = function_times_lib.FunctionTimes(coordinator)
+      coordinator.schedule = schedule
+      return schedule(*args, **kwargs)
+
+    coordinator.schedule = first_schedule
+
+  def function_seconds(self) -> Optional[list]:
+    """Per worker, the longest function the coordinator ran on it since the last call (seconds,
+    from taking it to its result; `function_times`); None before the coordinator exists."""
+    times = self.__dict__.get("_gba_function_times")
+    return None if times is None else times.longest_since_last_read()
 
   def _join_releasing_blocked_workers(self, coordinator, join):
     """Runs `join()`; meanwhile releases barrier waits that nothing can release any more.

@@ -184,7 +184,8 @@ class _Progress(keras.callbacks.Callback):
         # the end of the list run through epochs of no-op reads while the last steps finish.
         return
       self._last_line = steps
-      said = self._slow.interval(time.time(), steps, [w["steps"] for w in workers])
+      said = self._slow.interval(time.time(), steps, [w["steps"] for w in workers],
+                                 job.strategy.function_seconds())
       if said:
         _log(said)  # beside the progress lines: what the job did, not an error
     # Reads only, so read again when TF's runtime cancels them (recovery.retry_cancelled).

@@ -5,6 +5,14 @@ longer than the usual one. A synchronous job waits for its slowest worker; GBA's
 on, and the stalled worker's gradients, pushed when its link is back, are judged by their
 staleness. The job says which it did, so that a user reading the log need not infer it. (A stall
 past --stall_timeout_s restarts the job instead: recovery.Stalled says so.)
+
+Which worker held an interval up is judged first by how long the coordinator waited for each
+worker's functions (`function_times`): a worker whose link is cut, or whose steps are stuck, has
+one function that took about as long as the stall, while the others' took their usual time; when
+a parameter server, the data list or every link is slow, every worker's did. Step counts alone
+cannot tell: the others go on only until the progress line, which reads every worker, so over a
+short interval they make no more steps than the stalled one (measured: a worker link dropped for
+12 s, 38 steps in 17 s, counted as every worker held up).
 """
 
 import statistics
@@ -19,6 +27,8 @@ MIN_EXTRA_S = 5.0
 HISTORY = 10
 # A worker that made fewer than this share of the mean steps of the interval was the slow one.
 BEHIND_SHARE = 0.5
+# A function that took at least this share of the interval's lost seconds was held up.
+HELD_SHARE = 0.5
 
 
 class SlowIntervalWatch:
@@ -29,9 +39,10 @@ class SlowIntervalWatch:
     self._rates: List[float] = []  # seconds per step of the last intervals
     self._last = None  # (time, steps, per-worker steps) at the last line
 
-  def interval(self, now: float, steps: int,
-               per_worker: Optional[Sequence[int]] = None) -> Optional[str]:
-    """`steps`: worker steps finished so far; `per_worker`: each worker's (None: not known)."""
+  def interval(self, now: float, steps: int, per_worker: Optional[Sequence[int]] = None,
+               function_s: Optional[Sequence[float]] = None) -> Optional[str]:
+    """`steps`: worker steps finished so far; `per_worker`: each worker's (None: not known);
+    `function_s`: each worker's longest function since the last line (None: not known)."""
     last, self._last = self._last, (now, steps, list(per_worker) if per_worker else None)
     if last is None or steps <= last[1]:
       return None
@@ -39,15 +50,23 @@ class SlowIntervalWatch:
     rate = seconds / made
     usual = statistics.median(self._rates) if len(self._rates) >= 2 else None
     self._rates = (self._rates + [rate])[-HISTORY:]
-    if usual is None or rate < SLOW_FACTOR * usual or seconds - usual * made < MIN_EXTRA_S:
+    lost = seconds - usual * made if usual is not None else 0.0
+    if usual is None or rate < SLOW_FACTOR * usual or lost < MIN_EXTRA_S:
       return None
     head = (f"tf_gba: the last {made} steps took {seconds:.0f} s, {rate / usual:.0f}x the usual "
             f"({usual * made:.1f} s)")
     if self._sync:
       return f"{head}: waited for the slowest worker (sync: every step waits for every worker)."
-    behind = []
+    made_each = None
     if per_worker and last[2] and len(last[2]) == len(per_worker):
       made_each = [max(0, b - a) for a, b in zip(last[2], per_worker)]
+    held = None
+    if function_s and (made_each is None or len(function_s) == len(made_each)):
+      held = [i for i, s in enumerate(function_s) if s >= HELD_SHARE * lost]
+    if held is not None and 0 < len(held) < len(function_s):
+      return self._one_held_up(head, held, function_s, made_each)
+    behind = []
+    if made_each is not None and held is None:
       mean = sum(made_each) / len(made_each)
       behind = [i for i, n in enumerate(made_each) if n < BEHIND_SHARE * mean]
     if behind and len(behind) < len(per_worker):
@@ -55,5 +74,28 @@ class SlowIntervalWatch:
       slow = sum(made_each[i] for i in behind)
       return (f"{head}: {names} made {slow} of them; worked around it: the other workers made "
               "the rest (its late gradients are judged by their staleness).")
-    return (f"{head}: every worker was held up (a parameter server, the data list or every link "
-            "slow); waited for it (--stall_timeout_s restarts the job past a limit).")
+    if held == []:
+      return (f"{head}: no worker's function took long (at most {max(function_s):.1f} s): the "
+              "coordinator was held up (a checkpoint, a read of the servers, a busy machine); "
+              "waited for it (--stall_timeout_s restarts the job past a limit).")
+    took = ""
+    if held:
+      lo, hi = f"{min(function_s):.0f}", f"{max(function_s):.0f}"
+      took = f" (each one's longest function {lo if lo == hi else lo + '-' + hi} s)"
+    return (f"{head}: every worker was held up{took} (a parameter server, the data list or every "
+            "link slow); waited for it (--stall_timeout_s restarts the job past a limit).")
+
+  @staticmethod
+  def _one_held_up(head: str, held: List[int], function_s: Sequence[float],
+                   made_each: Optional[List[int]]) -> str:
+    """Some workers' functions were long, the others' not: those held the interval up."""
+    names = ", ".join(f"worker:{i}" for i in held)
+    others = max(s for i, s in enumerate(function_s) if i not in held)
+    longest = max(function_s[i] for i in held)
+    count = ""
+    if made_each is not None:
+      count = f" made {sum(made_each[i] for i in held)} of them and"
+    return (f"{head}: {names}{count} held it up (a function of {longest:.0f} s, the others' at "
+            f"most {others:.1f} s); worked around it until the progress line: the other workers "
+            "made their steps, then waited for it there, as a progress line reads every worker "
+            "(its late gradients are judged by their staleness).")
