@@ -259,10 +259,19 @@ def test_batches_a_checkpoints_data_position_missed_are_reported():
             "batches": 220, "examples": 14080, "duplicates": 0, "missed": None,
             "restored_batches": 973}
   summary = {"per_worker": [{"worker": 0}, {"worker": 1}], "start_global_step": 490,
-             "num_aggregate": 2}
-  runner._add_data_list(summary, report, TrainConfig(mode="gba"))  # pylint: disable=protected-access
+             "global_step": 600, "num_aggregate": 2}
+  runner._add_data_list(summary, dict(report), TrainConfig(mode="gba"), 0)  # pylint: disable=protected-access
   # The checkpoint at global step 490 followed 980 trained batches; its position counted 973.
   assert summary["data_list"]["uncounted_batches"] == 7
+  # This run: 110 global steps of M = 2 are 220 pushes, and the counts hold 220 batches.
+  assert summary["data_list"]["uncounted_by_restarted_workers"] == 0
+  assert summary["data_list"]["workers_restarted_in_run"] == 0
+  # A worker restarted in place lost the count of the batches it trained after the last read:
+  # 4 more global steps pushed than the counts hold.
+  summary = dict(summary, global_step=604)
+  runner._add_data_list(summary, dict(report), TrainConfig(mode="gba"), 1)  # pylint: disable=protected-access
+  assert summary["data_list"]["uncounted_by_restarted_workers"] == 8
+  assert summary["data_list"]["workers_restarted_in_run"] == 1
 
 
 def test_an_executor_deleted_after_a_lost_server_is_not_reported_on_stderr(monkeypatch):

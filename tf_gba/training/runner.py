@@ -721,7 +721,9 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     summary = _summary(config, strategy, history, stats, worker_stats, evaluation, wall,
                        steps_measured, t1 - t0, start_step, saved, progress.last_loss)
     if shared is not None:
-      _add_data_list(summary, shared.report(), config)
+      _add_data_list(summary, shared.report(), config,
+                     (cluster.restarts["worker"] + len(cluster.dead("worker"))
+                      if cluster is not None else None))
     summary["embedding"] = config.embedding
     summary["steps_per_execution"] = config.scheduled_steps
     if tables:
@@ -836,9 +838,12 @@ def fit_shared(model, optimizer, shared, epochs: int, callbacks=(), steps_per_ep
   return history
 
 
-def _add_data_list(summary: dict, report: dict, config: TrainConfig) -> None:
+def _add_data_list(summary: dict, report: dict, config: TrainConfig,
+                   workers_restarted: Optional[int] = None) -> None:
   """The shared list's counts in the summary; its steps and examples are what trained (the
-  steps of a fixed count that found the list empty trained nothing)."""
+  steps of a fixed count that found the list empty trained nothing). `workers_restarted`: the
+  workers this run's local cluster restarted in place or lost (None: not known, a real
+  cluster)."""
   summary["input"] = "shared"
   summary["data_list"] = report
   for w in summary["per_worker"]:
@@ -855,6 +860,14 @@ def _add_data_list(summary: dict, report: dict, config: TrainConfig) -> None:
     # its counts) were listed again and trained twice: re-reads the summary reports here.
     report["uncounted_batches"] = max(
         0, summary["start_global_step"] * summary["num_aggregate"] - report["restored_batches"])
+  if config.mode in ("gba", "async") and not report.get("flushed_zero_gradients"):
+    # This run's pushes (one per trained batch) against the batches its workers' counts hold:
+    # a worker restarted in place lost, with its process, the count of what it trained after
+    # the coordinator's last read of it (a progress line), at most that line's interval and
+    # the function it was running. Anything else is a miscount, reported as it is.
+    pushes = (summary["global_step"] - summary["start_global_step"]) * summary["num_aggregate"]
+    report["workers_restarted_in_run"] = workers_restarted
+    report["uncounted_by_restarted_workers"] = pushes - report["batches"]
 
 
 def _optimizer_stats(optimizer) -> dict:
