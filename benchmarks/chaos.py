@@ -262,6 +262,11 @@ class Drill:
     self.events = []         # (t, text): the binary's stderr lines, the drill's reruns
     self.stdout, self.stderr = [], []
     self.reruns, self.rcs = 0, []
+    # A bound on the reruns, against a command that fails at once every time: each fault ends
+    # the command at most twice (sync's double and kill during recovery: both kills end it), and
+    # a runtime fault may add one more. 20 outright ended a 26-fault sync run whose 20 reruns
+    # had each resumed.
+    self.max_reruns = max(20, 3 * len(faults))
     self.proc = None
     self.finished = False
     self.hung = None
@@ -326,8 +331,9 @@ class Drill:
     if rc == 0:
       self.finished = True
       return
-    if rc == 2 or self.reruns >= 20:
-      self.hung = f"the command ended with exit code {rc} (reruns {self.reruns})"
+    if rc == 2 or self.reruns >= self.max_reruns:
+      self.hung = (f"the command ended with exit code {rc} (reruns {self.reruns}, at most "
+                   f"{self.max_reruns})")
       return
     self._wait_tree_gone()
     self.reruns += 1
