@@ -208,8 +208,11 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     schedule = coordinator.schedule
 
     def first_schedule(*args, **kwargs):
-      self.__dict__["_gba_function_times"] = function_times_lib.FunctionTimes(coordinator)
       coordinator.schedule = schedule
+      try:
+        self.__dict__["_gba_function_times"] = function_times_lib.FunctionTimes(coordinator)
+      except AttributeError:
+        pass  # a coordinator without these internals: no times, the counts decide
       return schedule(*args, **kwargs)
 
     coordinator.schedule = first_schedule
