@@ -7,9 +7,10 @@ The binary runs as a user runs it (its supervisor, a local cluster of real serve
 its own network namespace, `--private_network`), with periodic checkpoints and the shared data
 list. The drill injects, at global steps drawn from --seed (read from the progress lines):
 
-  kill_ps, kill_worker, kill_tfdata_worker    kill -9 of one server of the local cluster
+  kill_ps, kill_worker                        kill -9 of one server of the local cluster
+  kill_tfdata                                 kill -9 of a tf.data worker or of the dispatcher
   kill_job                                    kill -9 of the job's process under its supervisor:
-                                              the coordinator and the tf.data dispatcher it hosts
+                                              the coordinator
   kill_coordinator                            kill -9 of the command itself; the drill reruns it
   sigterm                                     a preemption: SIGTERM to the command (exit 143,
                                               checkpoint); the drill reruns it
@@ -61,7 +62,7 @@ PROGRAM = "benchmarks.chaos"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "examples", "train.py")
 
-KILLS = ("kill_ps", "kill_worker", "kill_tfdata_worker", "kill_job", "kill_coordinator")
+KILLS = ("kill_ps", "kill_worker", "kill_tfdata", "kill_job", "kill_coordinator")
 COMPOUND = ("sigterm", "double", "during_recovery", "during_checkpoint")
 NETWORK = ("stall", "partition", "bandwidth", "loss")
 KINDS = KILLS + COMPOUND + NETWORK
@@ -116,7 +117,7 @@ LOG_EVERY = 20
 class Fault:
   kind: str
   at: int                        # global step after which it comes
-  target: str = ""               # ps / worker / tfdata_worker / job / coordinator
+  target: str = ""               # ps / worker / tfdata / job / coordinator
   duration_s: float = 0.0        # network faults
   rate_mbit: int = 0             # bandwidth
   loss_pct: float = 0.0          # loss
@@ -383,8 +384,10 @@ class Drill:
       return root
     if target == "job":
       return process_tree.job_process(root) or root  # sync: the command is the job
+    # "tfdata": any server of the tf.data service, its workers and its dispatcher.
+    prefix = "tfdata_" if target == "tfdata" else target + ":"
     servers = sorted((name, pid) for name, pid in process_tree.servers(root).items()
-                     if name.startswith(target + ":"))
+                     if name.startswith(prefix))
     return self.rng.choice(servers)[1] if servers else None
 
   def _kill(self, target: str, sig=signal.SIGKILL) -> str:
@@ -474,8 +477,8 @@ class Drill:
                  f"{f.duration_s:g} s ({net.iptables})")
     elif f.kind == "partition":
       # The coordinator cut off from every server while they live and reach each other: the
-      # job process's listening port (its tf.data dispatcher) and the local ports of the
-      # connections it holds to the servers. (A connection it opens anew, on a new port, gets
+      # local ports of the connections the job process holds to the servers (and any port it
+      # listens on). (A connection it opens anew, on a new port, gets
       # through; TF's channels are long-lived.)
       pid = self._pid("job")
       ports = process_tree.local_ports(pid) if pid else []

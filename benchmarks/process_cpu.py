@@ -24,9 +24,11 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 def role_of(name: str, root_name: str) -> str:
   """The role of a process from its /proc name: "coordinator" (the root's name: the binary runs
   its job in a child of the process started, `tf_gba.common.exiting`), "ps", "worker",
-  "tfdata_worker", or "other" (the server forker, helper processes)."""
+  "tfdata_worker", "tfdata_dispatcher", or "other" (the server forker, helper processes)."""
   if name == root_name:
     return "coordinator"
+  if name.startswith("tfdata_dispatch"):
+    return "tfdata_dispatcher"  # "tfdata_dispatcher:0", cut to /proc's 15 bytes
   task = name.partition(":")[0]
   if task in ("ps", "worker", "tfdata_worker", "chief", "evaluator"):
     return task

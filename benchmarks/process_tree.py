@@ -52,18 +52,21 @@ def comm(pid: int) -> str:
 
 
 def task(pid: int) -> Optional[str]:
-  """The task a local cluster's server process serves ("ps:0", "tfdata_worker:1"), else None.
-  A server started as `python -m tf_gba.distribute.server` names its tf.data worker
-  "tfdata_worker:?" (they are numbered by port)."""
+  """The task a local cluster's server process serves ("ps:0", "tfdata_worker:1",
+  "tfdata_dispatcher:0"), else None. A server started as `python -m tf_gba.distribute.server`
+  names its tf.data worker "tfdata_worker:?" (they are numbered by port), and its dispatcher
+  "tfdata_dispatcher:?"."""
   name = comm(pid)
   if re.fullmatch(r"(ps|worker|tfdata_worker):\d+", name):
     return name
+  if name == "tfdata_dispatch":
+    return "tfdata_dispatcher:0"  # the local cluster's one dispatcher, cut to /proc's 15 bytes
   cmd = cmdline(pid).split()
   if "tf_gba.distribute.server" not in cmd or "--job_name" not in cmd:
     return None
   job = cmd[cmd.index("--job_name") + 1]
-  if job == "tfdata_worker":
-    return "tfdata_worker:?"
+  if job in ("tfdata_worker", "tfdata_dispatcher"):
+    return f"{job}:?"
   return f"{job}:{cmd[cmd.index('--task_index') + 1]}" if "--task_index" in cmd else None
 
 

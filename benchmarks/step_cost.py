@@ -8,10 +8,10 @@
 Each configuration runs examples/train.py (DeepFM, synthetic data, no stragglers; 1 PS in the
 parameter-server modes) while `benchmarks.process_cpu` samples the CPU-seconds (user + system,
 /proc) of every process of the job by role: the coordinator (the binary's job process), the
-parameter servers, the workers, the tf.data service's workers. At each progress line the
-counters are read again; the CPU between the first line past a quarter of the run and the last
-one, over the worker steps between them, is the CPU of a worker step: start-up, tracing, the
-final checkpoint, the evaluation and the export fall outside that window. "single" is the
+parameter servers, the workers, the tf.data service's workers and its dispatcher (a process of
+its own, in the local cluster as on a real one). At each progress line the counters are read
+again; the CPU between the first line past a quarter of the run and the last one, over the worker
+steps between them, is the CPU of a worker step: start-up, tracing, the final checkpoint, the evaluation and the export fall outside that window. "single" is the
 physical limit: `model.fit` of the same model, data and batch in one process, no strategy,
 measured the same way (its own progress lines).
 
@@ -40,7 +40,7 @@ from benchmarks.process_cpu import ProcessTreeCpu
 from tf_gba.training import mode_registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROLES = ("coordinator", "ps", "worker", "tfdata_worker", "other")
+ROLES = ("coordinator", "ps", "worker", "tfdata_worker", "tfdata_dispatcher", "other")
 SINGLE = "single"
 
 
@@ -149,15 +149,16 @@ def per_step(cost: dict) -> Dict[str, float]:
 
 
 def table(results: dict, single: Dict[str, float], local_batch_size: int) -> List[str]:
-  lines = ["| tree | mode | coordinator | PS | workers | tf.data workers | other | whole job | "
-           "vs one process | examples per CPU-s | global QPS |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| tree | mode | coordinator | PS | workers | tf.data workers | tf.data dispatcher | "
+           "other | whole job | vs one process | examples per CPU-s | global QPS |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for (tree, mode), per in results.items():
     base = single.get(tree)
     ratio = f"{per['job'] / base:.1f}x" if base else "-"
     lines.append(
         f"| {tree} | {mode} | {per['coordinator']:.2f} | {per['ps']:.2f} | {per['worker']:.2f} | "
-        f"{per['tfdata_worker']:.2f} | {per['other']:.2f} | {per['job']:.2f} | {ratio} | "
+        f"{per['tfdata_worker']:.2f} | {per['tfdata_dispatcher']:.2f} | {per['other']:.2f} | "
+        f"{per['job']:.2f} | {ratio} | "
         f"{1000.0 * local_batch_size / per['job']:,.0f} | "
         + (f"{per['qps']:,.0f} |" if per.get("qps") else "- |"))
   return lines

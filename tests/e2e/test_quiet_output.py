@@ -56,8 +56,8 @@ def test_keep_logs_keeps_every_process_log(tmp_path):
   assert log_dir == str(tmp_path / "m" / "logs")
   names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(log_dir, "*.log")))
   # server_forker.log: the process the servers are forked from (tf_gba.distribute.server_forker).
-  assert names == ["coordinator.log", "ps_0.log", "server_forker.log", "tfdata_worker_0.log",
-                   "tfdata_worker_1.log", "worker_0.log", "worker_1.log"]
+  assert names == ["coordinator.log", "ps_0.log", "server_forker.log", "tfdata_dispatcher_0.log",
+                   "tfdata_worker_0.log", "tfdata_worker_1.log", "worker_0.log", "worker_1.log"]
   with open(os.path.join(log_dir, "ps_0.log")) as f:
     assert "TF_GBA_SERVER_READY ps:0" in f.read()
   # What TF's runtime wrote on stderr is in the coordinator's log, not on the terminal.

@@ -57,14 +57,16 @@ def test_roles_follow_the_cluster_names():
   assert process_cpu.role_of("train.py", "train.py") == "coordinator"
   assert process_cpu.role_of("ps:3", "train.py") == "ps"
   assert process_cpu.role_of("tfdata_worker:0", "train.py") == "tfdata_worker"
+  # "tfdata_dispatcher:0" as /proc/<pid>/comm holds it (15 bytes).
+  assert process_cpu.role_of("tfdata_dispatch", "train.py") == "tfdata_dispatcher"
   assert process_cpu.role_of("server_forker", "train.py") == "other"
 
 
 def test_per_step_is_the_windows_cpu_over_its_steps():
   cost = {"coordinator": 0.5, "ps": 2.0, "worker": 6.0, "tfdata_worker": 0.25,
-          "window_steps": 250, "window_seconds": 10.0}
+          "tfdata_dispatcher": 0.125, "window_steps": 250, "window_seconds": 10.0}
   per = step_cost.per_step(cost)
-  want = np.array([0.5, 2.0, 6.0, 0.25, 0.0]) * 1000 / 250
+  want = np.array([0.5, 2.0, 6.0, 0.25, 0.125, 0.0]) * 1000 / 250
   np.testing.assert_allclose([per[r] for r in step_cost.ROLES], want)
   assert per["job"] == pytest.approx(want.sum())
 

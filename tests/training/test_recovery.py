@@ -222,9 +222,10 @@ def test_a_parameter_server_lost_while_the_job_builds_restarts_it():
       raise ValueError("a bug")
 
 
-def test_a_dead_parameter_server_the_job_waits_on_ends_it_for_a_restart(tmp_path, capsys):
+def test_a_dead_server_the_job_waits_on_ends_it_for_a_restart(tmp_path, capsys):
   # The chaos drill's kill during recovery: a parameter server killed while a restarted job was
-  # connecting to its cluster left the job waiting with no end and no message.
+  # connecting to its cluster left the job waiting with no end and no message. A dead tf.data
+  # dispatcher is noticed by no call at all.
   import threading  # pylint: disable=g-import-not-at-top
   from tf_gba.training import runner  # pylint: disable=g-import-not-at-top
 
@@ -233,23 +234,27 @@ def test_a_dead_parameter_server_the_job_waits_on_ends_it_for_a_restart(tmp_path
       self._dead = dead
 
     def dead(self, job):
-      assert job == "ps"
-      return self._dead
+      assert job in ("ps", "tfdata_dispatcher")
+      return [name for name in self._dead if name.startswith(job + ":")]
 
   exits = []
   recovery.begin(str(tmp_path), "gba", 400, 0, target_if_new=100)
-  runner.watch_parameter_servers(Cluster(["ps:0"]), threading.Event(), str(tmp_path),
-                                 grace_s=0.2, exit_now=exits.append)
+  runner.watch_servers(Cluster(["ps:0"]), threading.Event(), str(tmp_path), grace_s=0.2,
+                       exit_now=exits.append)
   assert exits == [recovery.EXIT_RESTART]
   assert "ps:0 died and the job has waited" in capsys.readouterr().err
+  runner.watch_servers(Cluster(["tfdata_dispatcher:0"]), threading.Event(), str(tmp_path),
+                       grace_s=0.2, exit_now=exits.append)
+  assert exits == [recovery.EXIT_RESTART] * 2
+  assert "tfdata_dispatcher:0 (the shared data list's tf.data dispatcher) died" in (
+      capsys.readouterr().err)
   assert recovery.begin(str(tmp_path), "gba", 400, 0, target_if_new=100).restart_causes == [
-      "ParameterServerLost"]
+      "ParameterServerLost", "DataListLost"]
   # None dead, or stopped (the job's own teardown): nothing happens.
   stop = threading.Event()
   threading.Timer(0.5, stop.set).start()
-  runner.watch_parameter_servers(Cluster([]), stop, str(tmp_path), grace_s=0.2,
-                                 exit_now=exits.append)
-  assert exits == [recovery.EXIT_RESTART]
+  runner.watch_servers(Cluster([]), stop, str(tmp_path), grace_s=0.2, exit_now=exits.append)
+  assert exits == [recovery.EXIT_RESTART] * 2
 
 
 def test_batches_a_checkpoints_data_position_missed_are_reported():

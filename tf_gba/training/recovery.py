@@ -45,6 +45,12 @@ class ParameterServerLost(JobLost):
   """A parameter server died: its variables are gone; the run resumes from the last checkpoint."""
 
 
+class DataListLost(JobLost):
+  """The shared data list's tf.data dispatcher died: the list's position in the day is lost with
+  it (its tf.data workers wait for a dispatcher without end); the run resumes from the last
+  checkpoint, whose data position says what had trained."""
+
+
 class WorkerLost(JobLost):
   """A worker holding state of its own (a dense replica) died; the run resumes from the last
   checkpoint."""

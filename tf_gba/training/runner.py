@@ -85,8 +85,8 @@ def _cluster(config: TrainConfig):
                     num_tfdata_workers=config.tfdata_workers if config.uses_data_list else 0
                     ) as cluster:
     stop = threading.Event()
-    threading.Thread(target=watch_parameter_servers, args=(cluster, stop, config.model_dir),
-                     daemon=True, name="parameter_server_watchdog").start()
+    threading.Thread(target=watch_servers, args=(cluster, stop, config.model_dir),
+                     daemon=True, name="server_watchdog").start()
     try:
       yield cluster.resolver(), cluster
     finally:
@@ -96,28 +96,41 @@ def _cluster(config: TrainConfig):
 # Seconds a local parameter server may be dead before the watchdog ends the job: a loss the job
 # notices (an error of a call to it) is reported within a few seconds (recovery.raise_if_lost).
 LOST_PS_GRACE_S = 20.0
+# The tf.data dispatcher's loss no call of the job's reports: its tf.data workers ask it for the
+# next batch again and again, and the workers' reads wait on them.
+LOST_DISPATCHER_GRACE_S = 2.0
 
 
-def watch_parameter_servers(cluster, stop: threading.Event, model_dir: str,
-                            grace_s: Optional[float] = None, exit_now=exiting.exit_now) -> None:
+def watch_servers(cluster, stop: threading.Event, model_dir: str,
+                  grace_s: Optional[float] = None, exit_now=exiting.exit_now) -> None:
   """Ends the job (exit 75: the binary's supervisor restarts it) when a parameter server of the
-  local cluster has been dead for `grace_s` and the job has not noticed. Measured by the chaos
-  drill (benchmarks/chaos.py): a parameter server killed while a restarted job was connecting to
-  its cluster left the job waiting for it with no end and no message; no step was scheduled yet,
-  so the stall watchdog had nothing to watch."""
-  grace_s = LOST_PS_GRACE_S if grace_s is None else grace_s
-  dead_since = None
-  while not stop.wait(min(1.0, grace_s / 4)):
-    dead = cluster.dead("ps")
-    if not dead:
-      dead_since = None
-      continue
-    dead_since = dead_since or time.time()
-    if time.time() - dead_since >= grace_s and not stop.is_set():
-      error = recovery.ParameterServerLost(
-          f"{', '.join(dead)} died and the job has waited {grace_s:.0f} s without noticing (a "
-          "call to it that never returns); its variables are lost. Rerun the same command to "
-          "resume from the last checkpoint in model_dir.")
+  local cluster has been dead for `grace_s` (default LOST_PS_GRACE_S) and the job has not
+  noticed, or its tf.data dispatcher for LOST_DISPATCHER_GRACE_S (or `grace_s`). Measured by the
+  chaos drill (benchmarks/chaos.py): a parameter server killed while a restarted job was
+  connecting to its cluster left the job waiting for it with no end and no message; no step was
+  scheduled yet, so the stall watchdog had nothing to watch."""
+  graces = {"ps": LOST_PS_GRACE_S if grace_s is None else grace_s,
+            "tfdata_dispatcher": LOST_DISPATCHER_GRACE_S if grace_s is None else grace_s}
+  dead_since = {}
+  while not stop.wait(min(1.0, min(graces.values()) / 4)):
+    for job, grace in graces.items():
+      dead = cluster.dead(job)
+      if not dead:
+        dead_since.pop(job, None)
+        continue
+      since = dead_since.setdefault(job, time.time())
+      if time.time() - since < grace or stop.is_set():
+        continue
+      if job == "ps":
+        error = recovery.ParameterServerLost(
+            f"{', '.join(dead)} died and the job has waited {grace:.0f} s without noticing (a "
+            "call to it that never returns); its variables are lost. Rerun the same command to "
+            "resume from the last checkpoint in model_dir.")
+      else:
+        error = recovery.DataListLost(
+            f"{', '.join(dead)} (the shared data list's tf.data dispatcher) died; the list's "
+            "position in the day is lost with it. Rerun the same command to resume from the last "
+            "checkpoint in model_dir.")
       print(f"tf_gba: {error}", file=sys.stderr, flush=True)
       recovery.record_failure(model_dir, error)
       exit_now(recovery.EXIT_RESTART)
@@ -148,6 +161,7 @@ class _Progress(keras.callbacks.Callback):
     self._slow = slow_interval.SlowIntervalWatch(waits_for_every_worker=False)
     # The loss of the last epoch that trained (see `_epoch_loss`).
     self.last_loss = None
+    self._read_loss = None  # (the loss metric, a function reading its total and count)
 
   def _epoch_loss(self, logs) -> float:
     """The epoch's mean loss, or the last one of an epoch that trained.
@@ -158,13 +172,18 @@ class _Progress(keras.callbacks.Callback):
     ends do not wait for them, `pipelining`). The metric then counts nothing and reads 0.
     """
     metric = next((m for m in self.model.metrics if m.name == "loss"), None)
-    if getattr(metric, "count", None) is None:
+    if getattr(metric, "count", None) is None or getattr(metric, "total", None) is None:
       loss = (logs or {}).get("loss", float("nan"))
-    elif float(metric.count.numpy()) == 0:
-      return float("nan") if self.last_loss is None else self.last_loss
     else:
-      # Read with its count: a step still running may have added to it since Keras read it.
-      loss = float(metric.result().numpy())
+      # Read with its count, in one call to the parameter server that holds them: a step still
+      # running may have added to them since Keras read the loss.
+      if self._read_loss is None or self._read_loss[0] is not metric:
+        self._read_loss = (metric, tf.function(lambda: tf.stack(
+            [tf.cast(metric.total, tf.float64), tf.cast(metric.count, tf.float64)])))
+      total, count = self._read_loss[1]().numpy()
+      if count == 0:
+        return float("nan") if self.last_loss is None else self.last_loss
+      loss = float(total / count)
     self.last_loss = loss
     return loss
 
@@ -745,7 +764,8 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
             cluster.restarts[job] if cluster is not None else 0)
            for job in _RESTARTED_IN_PLACE}})
     job.writer.write(epochs * epoch_steps(config),
-                     {"eval/auc": evaluation["auc"], "eval/logloss": evaluation["logloss"]})
+                     {"eval/auc": evaluation["auc"], "eval/logloss": evaluation["logloss"]},
+                     flush=True)
     summary_lib.write(config.model_dir, summary)
     summary_lib.print_summary(summary)
     return summary
@@ -762,6 +782,7 @@ def _stop_on_signal(job: "_Job") -> None:
     if seen is not None:
       recovery.record_seen(job.config.model_dir, seen, step)
   recovery.report(job.config.model_dir, step)
+  job.writer.flush()
   raise interrupt.Interrupted(interrupt.requested(), saved, step)
 
 
