@@ -256,7 +256,8 @@ def test_a_restarted_workers_counts_carry_over_its_restart():
   afresh): what it had counted at the last read stays credited to it."""
   var = types.SimpleNamespace(values=[])
   # Each worker's value as read_each returns it (read from the workers in the cluster tests).
-  counters = types.SimpleNamespace(read_each=lambda v: list(v.values), _last={}, _base={})
+  counters = types.SimpleNamespace(read_each=lambda v: list(v.values), _last={}, _base={},
+                                   _variables={})
   read = lambda: data_list_lib.DayCounters.read_counts(counters, var)  # noqa: E731
   var.values = [np.array([1, 1, 0]), np.array([0, 1, 1])]
   assert [v.tolist() for v in read()] == [[1, 1, 0], [0, 1, 1]]
@@ -264,3 +265,29 @@ def test_a_restarted_workers_counts_carry_over_its_restart():
   assert [v.tolist() for v in read()] == [[1, 1, 1], [1, 1, 1]]
   var.values = [np.array([1, 0, 1]), np.array([1, 1, 1])]
   assert [v.tolist() for v in read()] == [[2, 1, 1], [1, 1, 1]]
+
+
+def test_a_restart_is_told_by_the_variable_created_afresh_not_by_its_value_alone():
+  """The short chaos drill: worker 0 killed, started again and then unreadable for 8 s (its link
+  stalled); by the next read its new process had counted past the old one's, so its value did not
+  go down, and the old process's 100 batches went uncounted."""
+
+  class Remote:  # a per-worker variable's copy as the coordinator holds it
+    def __init__(self):
+      self.variable = object()
+
+    def _get_values(self):
+      return self.variable
+
+  remotes = [Remote(), Remote()]
+  var = types.SimpleNamespace(values=[], _per_worker_vars=types.SimpleNamespace(_values=remotes))
+  counters = types.SimpleNamespace(read_each=lambda v: list(v.values), _last={}, _base={},
+                                   _variables={})
+  read = lambda: data_list_lib.DayCounters.read_counts(counters, var)  # noqa: E731
+  var.values = [np.array([3, 2]), np.array([1, 1])]
+  assert [v.tolist() for v in read()] == [[3, 2], [1, 1]]
+  remotes[0].variable = object()  # worker 0 restarted: its variable created again
+  var.values = [np.array([4, 5]), np.array([2, 1])]  # higher than before, all of it new
+  assert [v.tolist() for v in read()] == [[7, 7], [2, 1]]
+  var.values = [np.array([5, 5]), np.array([2, 2])]  # the same variable: no restart
+  assert [v.tolist() for v in read()] == [[8, 7], [2, 2]]

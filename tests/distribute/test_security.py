@@ -63,7 +63,7 @@ class _TwoHosts:
 
 
 def _ports_of_servers(root_pid):
-  """The ports the run's parameter servers, workers and tf.data workers listen on."""
+  """The ports the run's parameter servers, workers and tf.data servers listen on."""
   ports = set()
   for pid in process_tree.descendants(root_pid):
     if process_tree.task(pid) is not None:
@@ -85,7 +85,7 @@ def _probe_during_run(hosts, tmp_path, *flags):
         break
     assert proc.poll() is None, proc.stderr.read()[-3000:]
     ports = _ports_of_servers(proc.pid)
-    assert len(ports) == 5  # 1 PS + 2 workers + 2 tf.data workers
+    assert len(ports) == 6  # 1 PS + 2 workers + the tf.data dispatcher and 2 tf.data workers
     return {port: hosts.connect_from_outside(port) for port in ports}, proc
   finally:
     drills._kill_tree(proc.pid)  # pylint: disable=protected-access

@@ -211,6 +211,16 @@ def start_worker(dispatcher_address: str, port: int, host: str = "127.0.0.1"
 _READ_TOGETHER = {}
 
 
+def _worker_variables(var) -> Optional[list]:
+  """Each worker's copy of a per-worker variable as the coordinator holds it (an object of its
+  own once the worker restarted and the variable was created again); None if not per-worker."""
+  remotes = getattr(getattr(var, "_per_worker_vars", None), "_values", None)
+  if remotes is None:
+    return None
+  # `_get_values` waits while a worker's variable is being created again, as `read_each` does.
+  return [remote._get_values() for remote in remotes]  # pylint: disable=protected-access
+
+
 def _read_together(handles, dtype):
   """Reads per-worker variables (their handles on the workers) in one function call."""
   # One function per dtype and number of workers: TF's retracing cannot generalise a signature
@@ -240,9 +250,9 @@ class DayCounters:
                                per_worker_variable=True, name="data_list_batches")
     self.exhausted = tf.Variable(tf.constant(0, tf.int32), trainable=False,
                                  per_worker_variable=True, name="data_list_exhausted")
-    # Per counter (by id), per worker: the last value read, and what the worker had counted
-    # before each restart of its process (read_counts).
-    self._last, self._base = {}, {}
+    # Per counter (by id), per worker: the last value read, what the worker had counted before
+    # each restart of its process, and its copy of the variable when read (read_counts).
+    self._last, self._base, self._variables = {}, {}, {}
 
   @autograph.framework_function
   def handles(self):
@@ -303,24 +313,33 @@ class DayCounters:
 
   def read_counts(self, var) -> List[Optional[np.ndarray]]:
     """`read_each` of a counter, carried over a worker's restart: a worker started again counts
-    from zero, so a value below the one read before (counts never go down in one process) adds
-    that earlier value to what the worker is credited with. What it trained between the last
-    read (a progress line, a checkpoint) and its death stays uncounted: listed again on a
-    resumption, as a batch in flight is. Measured by the chaos drill (benchmarks/chaos.py) before
-    this: a worker killed at global step 69 left 81 of 1200 batches out of every later
-    checkpoint's data position, trained twice and reported by nothing."""
+    from zero in a variable created afresh, so a new variable on the worker, or a value below the
+    one read before (counts never go down in one process), adds that earlier value to what the
+    worker is credited with. What it trained between the last read (a progress line, a
+    checkpoint) and its death stays uncounted: listed again on a resumption, as a batch in flight
+    is. Measured by the chaos drill (benchmarks/chaos.py) before this: a worker killed at global
+    step 69 left 81 of 1200 batches out of every later checkpoint's data position, trained twice
+    and reported by nothing. A value alone does not tell: in the short drill a restarted worker
+    that the coordinator could not read for 8 s (its link stalled) had counted past its old
+    process's 100 by the next read, and those 100 went uncounted."""
+    variables = _worker_variables(var)  # before the read: a restart meanwhile lowers the value
     each = self.read_each(var)
+    variables = variables or [None] * len(each)
     last = self._last.setdefault(id(var), [None] * len(each))
     base = self._base.setdefault(id(var), [0] * len(each))
+    known = self._variables.setdefault(id(var), [None] * len(each))
     out = []
     for w, value in enumerate(each):
       if value is None:
         out.append(None)
         continue
       value = np.asarray(value, np.int64)
-      if last[w] is not None and np.any(value < last[w]):
+      created_afresh = (known[w] is not None and variables[w] is not None
+                        and variables[w] is not known[w])
+      if last[w] is not None and (created_afresh or np.any(value < last[w])):
         base[w] = base[w] + last[w]
       last[w] = value
+      known[w] = variables[w]
       out.append(value + base[w])
     return out
 
