@@ -1,7 +1,7 @@
 """How many workers one coordinator and P parameter servers of c cores drive, by simulation.
 
-  python -m benchmarks.sim_capacity [--costs=before,after_k1,after_k20] [--num_ps=1,2,4,8]
-                                    [--ps_cores=1,4,16] [--fraction=0.9] [--stragglers=paper]
+  python -m benchmarks.sim_capacity [--costs=before,after_k1,after_k20,dispatcher_apart_k20]
+                                    [--num_ps=1,2,4,8] [--ps_cores=1,4,16] [--fraction=0.9] [--stragglers=paper]
                                     [--steps=200] [--max_workers=65536] [--out=...] [--dry_run]
 
 For each set of measured per-role costs (COSTS: the coordinator's CPU per closure and per step,
@@ -43,6 +43,12 @@ COSTS: Dict[str, dict] = {
     # The same costs, --steps_per_execution=20.
     "after_k20": dict(coord_ms_per_closure=6.78, coord_ms_per_step=0.79, steps_per_execution=20,
                       ps_push_ms=4.77, ps_apply_ms=3.919, ps_ms_per_closure=5.63),
+    # With the tf.data dispatcher in a process of its own and cheaper progress lines (N = 4, one
+    # run each at k = 1 and 20): the coordinator 4.42 ms per closure + 0.28 per step, the PS
+    # 3.23 per push + 4.73 per closure.
+    "dispatcher_apart_k20": dict(coord_ms_per_closure=4.42, coord_ms_per_step=0.28,
+                                 steps_per_execution=20, ps_push_ms=3.23, ps_apply_ms=3.919,
+                                 ps_ms_per_closure=4.73),
 }
 
 
