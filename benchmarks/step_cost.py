@@ -1,6 +1,6 @@
 """What one distributed training step costs, by process role, beside one process's training.
 
-  python -m benchmarks.step_cost [--modes=gba,async_plain,sync,single] [--steps=4000]
+  python -m benchmarks.step_cost [--modes=gba,async_plain,sync,user_fit,single] [--steps=4000]
                                  [--num_workers=4] [--local_batch_size=256] [--log_every=100]
                                  [--repeats=1] [--trees=.] [--out=runs/bench_step_cost]
                                  [binary flags ...]
@@ -11,9 +11,12 @@ parameter-server modes) while `benchmarks.process_cpu` samples the CPU-seconds (
 parameter servers, the workers, the tf.data service's workers and its dispatcher (a process of
 its own, in the local cluster as on a real one). At each progress line the counters are read
 again; the CPU between the first line past a quarter of the run and the last one, over the worker
-steps between them, is the CPU of a worker step: start-up, tracing, the final checkpoint, the evaluation and the export fall outside that window. "single" is the
-physical limit: `model.fit` of the same model, data and batch in one process, no strategy,
-measured the same way (its own progress lines).
+steps between them, is the CPU of a worker step: start-up, tracing, the final checkpoint, the
+evaluation and the export fall outside that window. "single" is the physical limit: `model.fit`
+of the same model, data and batch in one process, no strategy, measured the same way (its own
+progress lines). "user_fit" is a user's own script
+(benchmarks/user_fit_job.py): `model.fit` of the same model, data and batch under `GBAStrategy`
+on a `LocalCluster`, every setting left at its default.
 
 `--trees=new:.,old:/path/to/checkout` runs every configuration with each tree's binary (its own
 tf_gba package and op libraries), interleaved, so a change is measured against its base side by
@@ -42,6 +45,8 @@ from tf_gba.training import mode_registry
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLES = ("coordinator", "ps", "worker", "tfdata_worker", "tfdata_dispatcher", "other")
 SINGLE = "single"
+# A user's own script: `model.fit` under GBAStrategy with its default settings on a LocalCluster.
+USER_FIT = "user_fit"
 
 
 def _tree_env(tree: str) -> dict:
@@ -141,6 +146,16 @@ def single_process_fit(steps: int, local_batch_size: int, log_every: int) -> Non
             callbacks=[Progress()])
 
 
+def _user_fit_run(steps: int, tree: str, out: str, num_workers: int, local_batch_size: int,
+                  log_every: int) -> dict:
+  # This checkout's script, run with `tree`'s tf_gba: a user's script does not change with it.
+  os.makedirs(out, exist_ok=True)
+  return _measure([sys.executable, os.path.join(ROOT, "benchmarks", "user_fit_job.py"),
+                   f"--steps={steps}", f"--num_workers={num_workers}",
+                   f"--local_batch_size={local_batch_size}", f"--log_every={log_every}"], tree,
+                  os.path.join(out, f"{USER_FIT}_{steps}.log"))
+
+
 def per_step(cost: dict) -> Dict[str, float]:
   """ms of CPU per worker step by role (and "job", their sum) over a run's warm window."""
   per = {r: 1000.0 * cost.get(r, 0.0) / cost["window_steps"] for r in ROLES}
@@ -166,9 +181,10 @@ def table(results: dict, single: Dict[str, float], local_batch_size: int) -> Lis
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--modes", default="gba,async_plain,sync,single",
+  p.add_argument("--modes", default=f"gba,async_plain,sync,{USER_FIT},{SINGLE}",
                  help="comma-separated binary modes (async_plain: TF's own async, the bare "
-                      f"optimizer), and {SINGLE!r} for one process without a strategy")
+                      f"optimizer), {USER_FIT!r} for a user's model.fit under GBAStrategy with "
+                      f"its defaults, and {SINGLE!r} for one process without a strategy")
   p.add_argument("--steps", type=int, default=4000,
                  help="worker steps of each run; the window measured is from a quarter of them "
                       "to the last progress line")
@@ -205,14 +221,14 @@ def main(argv=None):
     trees[name or os.path.basename(path)] = path
   modes = args.modes.split(",")
   for mode in modes:
-    if mode not in (SINGLE, "async_plain"):
+    if mode not in (SINGLE, USER_FIT, "async_plain"):
       try:
         mode_registry.get(mode)
       except ValueError as e:
         p.error(f"--modes: {e}")
   if args.dry_run:
     for mode in modes:
-      if mode != SINGLE:
+      if mode not in (SINGLE, USER_FIT):
         print(shlex.join(["examples/train.py", *binary_flags(
             mode, args.steps, os.path.join(args.out, "dry_run"), extra, args.num_workers,
             args.local_batch_size, args.log_every)]))
@@ -226,6 +242,9 @@ def main(argv=None):
         out = os.path.join(args.out, f"{tname}_{rep}")
         if mode == SINGLE:
           cost = _single_run(args.steps, ROOT, out, args.local_batch_size, args.log_every)
+        elif mode == USER_FIT:
+          cost = _user_fit_run(args.steps, tree, out, args.num_workers, args.local_batch_size,
+                               args.log_every)
         else:
           cost = _binary_run(mode, args.steps, tree, out, extra, args.num_workers,
                              args.local_batch_size, args.log_every)

@@ -78,3 +78,14 @@ def test_fit_trains_exactly_the_steps_asked_one_gradient_each(cluster):
   for _ in range(20):
     w -= 0.01 * 2.0 * (w - 2.0)
   np.testing.assert_allclose(model.trainable_variables[0].numpy().ravel(), [w], rtol=1e-5)
+
+
+def test_the_barrier_modes_default_to_one_step_and_refuse_more(cluster):
+  # Their barriers wait on other workers' steps, which a function of several would hold back.
+  assert steps_per_execution.DEFAULT > 1
+  strategy = GBAStrategy(cluster.resolver(), mode="hop_bs")
+  assert int(_model(strategy)._steps_per_execution.numpy()) == 1  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match=r"GBAStrategy\(steps_per_execution\)=20 runs several"):
+    GBAStrategy(cluster.resolver(), mode="hop_bs", steps_per_execution=20)
+  with pytest.raises(ValueError, match=r"compile\(steps_per_execution\)=2 runs several"):
+    _model(strategy, steps_per_execution=2)

@@ -50,6 +50,8 @@ def main(argv=None):
   p.add_argument("--steps_per_epoch", type=int, default=24)
   p.add_argument("--num_workers", type=int, default=3)
   p.add_argument("--num_ps", type=int, default=2)
+  p.add_argument("--steps_per_execution", type=int, default=None,
+                 help="compile()'s; by default the strategy's")
   p.add_argument("--kill_worker_after_epoch", type=int, default=-1)
   p.add_argument("--kill_worker_during_epoch", type=int, default=-1,
                  help="kill worker 0 while this epoch's closures are running")
@@ -63,7 +65,8 @@ def main(argv=None):
     with strategy.scope():
       model = build_model()
       opt = GBA(keras.optimizers.Adam(0.01), num_aggregate=m, staleness_threshold=3)
-      model.compile(opt, loss="binary_crossentropy")
+      model.compile(opt, loss="binary_crossentropy",
+                    steps_per_execution=args.steps_per_execution)
     report["variables"] = [(v.name, v.shape.as_list(), v.device)
                            for v in model.trainable_variables]
     ckpt = tf.train.Checkpoint(model=model)

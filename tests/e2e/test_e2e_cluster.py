@@ -95,9 +95,11 @@ def test_worker_killed_mid_step_is_not_applied_twice(tmp_path):
   # Worker 0 dies while epoch 1 runs. The coordinator re-runs its closure on another worker,
   # which takes a new token and batch: a new push, never a second copy of the dead worker's push
   # (that would carry the same ticket and be ignored). The dead worker may have pushed some of its
-  # step's gradients before dying; those count as what they are, one extra push at most.
+  # step's gradients before dying; those count as what they are, one extra push at most. One step
+  # per function: a re-run function trains again the steps the dead worker had already pushed,
+  # up to all of them (docs/api.md), which would hide a second copy among them.
   report = run_job(tmp_path, "killed", "--epochs", "3", "--steps_per_epoch", "60",
-                   "--kill_worker_during_epoch", "1")
+                   "--kill_worker_during_epoch", "1", "--steps_per_execution", "1")
   last = report["stats"][-1]["dense"]
   assert last["duplicates"] == 0
   assert 180 <= last["pushes"] <= 181

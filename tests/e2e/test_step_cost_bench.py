@@ -76,3 +76,15 @@ def test_a_run_too_short_for_a_window_is_refused_in_one_line(capsys):
     step_cost.main(["--steps=300", "--log_every=100", "--dry_run"])
   assert e.value.code == 2
   assert "--steps=300 leaves too few progress lines" in capsys.readouterr().err
+
+
+def test_the_user_script_trains_its_epochs_under_the_strategys_defaults(tmp_path):
+  # benchmarks/user_fit_job.py, as `--modes=user_fit` runs it (by path, this checkout's tf_gba),
+  # kept short: 2 epochs of 40 steps on 2 workers, i.e. functions of 20 steps (the default).
+  out = subprocess.run(
+      [sys.executable, os.path.join(step_cost.ROOT, "benchmarks", "user_fit_job.py"),
+       "--steps=80", "--log_every=40", "--num_workers=2", "--local_batch_size=64"],
+      cwd=tmp_path, env=step_cost._tree_env(step_cost.ROOT),  # pylint: disable=protected-access
+      capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+  assert out.stdout.splitlines() == ["step 40/80", "step 80/80"], out.stdout

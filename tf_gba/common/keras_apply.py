@@ -16,13 +16,14 @@ for either, so this module wraps two of its methods (once, on first registration
 tf_gba's own optimizers that override `apply_gradients` (GBA, DTS) never reach either.
 
 A refusal raised while a step is traced goes through `one_line`, so that the user sees the one
-line, not AutoGraph's "in user code:" rewrite of it.
+line, not AutoGraph's "in user code:" rewrite of it (or, where the step is the body of a loop of
+several steps per function, the loop's own error that quotes it: `raised_in_loop_staging`).
 
 Imports nothing of tf_gba (the lowest layer).
 """
 
 import threading
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 # An optimizer class with this attribute set (AdaptiveRevision) is asynchronous by design: the
 # buffered modes of GBAStrategy let it apply every gradient on arrival.
@@ -32,6 +33,9 @@ Check = Callable[[object, list], None]
 Applier = Callable[[object, list], Tuple[list, list]]
 
 _LOCK = threading.Lock()
+# The last error `one_line` marked: on any thread, since a distribution strategy traces a replica's
+# step on a thread of its own (mirrored_run) while the thread that scheduled it waits.
+_ONE_LINE: List[Optional[Exception]] = [None]
 _CHECKS: Dict[str, Tuple[int, Check]] = {}
 _APPLIERS: Dict[str, Applier] = {}
 _INSTALLED = False
@@ -45,7 +49,23 @@ def one_line(error: Exception) -> Exception:
   error metadata to an exception that has `ag_pass_through`.
   """
   error.ag_pass_through = True
+  _ONE_LINE[0] = error
   return error
+
+
+def raised_in_loop_staging(error: Exception) -> Optional[Exception]:
+  """The `one_line` error that `error` quotes, if any; else None.
+
+  AutoGraph stages one iteration of a loop whose variables are undefined before it (Keras'
+  `for _ in tf.range(steps_per_execution)` around its train step) and turns any ValueError or
+  TypeError raised there into a ValueError of its own ("'outputs' must be defined before the
+  loop ... ran into a ValueError: <the error>"), whatever `ag_pass_through` says. TF internal
+  behaviour (autograph/operators/control_flow.py, `_try_handling_undefineds`).
+  """
+  own = _ONE_LINE[0]
+  if own is None or own is error or str(own) not in str(error):
+    return None
+  return own
 
 
 def add_check(name: str, order: int, check: Check) -> None:

@@ -96,11 +96,11 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     hop_bw_backup: b3 of "hop_bw": backup workers, i.e. each step takes the first N - b3
       gradients of the current version; default max(1, round(N / 5)).
     steps_per_execution: worker steps of one function that `model.fit` schedules, where
-      `compile()` was given no `steps_per_execution` (default 1; "hop_bs" and "hop_bw", whose
-      barriers would wait on steps held in a function, refuse more): the coordinator's cost is
-      per function (see `tf_gba.distribute.steps_per_execution`). Each step reads its own batch,
-      takes its own token and pushes its own gradient; a worker that fails re-runs its whole
-      function, so up to that many steps are trained again.
+      `compile()` was given no `steps_per_execution` (default 20; 1 in "hop_bs" and "hop_bw",
+      whose barriers would wait on steps held in a function, and which refuse more): the
+      coordinator's cost is per function (see `tf_gba.distribute.steps_per_execution`). Each step
+      reads its own batch, takes its own token and pushes its own gradient; a worker that fails
+      re-runs its whole function, so up to that many steps are trained again.
 
   The barriers of "hop_bs" and "hop_bw" block workers; at each `join()` of the coordinator (the
   end of `fit`, a checkpoint; a plain `fit` joins at every epoch's end) the workers still blocked
@@ -114,7 +114,7 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
                hop_bs_timeout_s: Optional[float] = None,
                hop_bw_backup: Optional[int] = None,
                straggler_delay: str = stragglers_lib.AFTER_PUSH,
-               steps_per_execution: int = steps_per_execution_lib.DEFAULT):
+               steps_per_execution: Optional[int] = None):
     if not callable(getattr(cluster_resolver, "cluster_spec", None)):
       raise TypeError(f"GBAStrategy needs a cluster resolver (e.g. LocalCluster(...).resolver() "
                       f"or tf.distribute.cluster_resolver.TFConfigClusterResolver()), got "
@@ -125,9 +125,9 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
       num_aggregate = arguments.integer("num_aggregate", num_aggregate, minimum=1,
                                         owner="GBAStrategy")
     straggler_seed = arguments.integer("straggler_seed", straggler_seed, owner="GBAStrategy")
-    steps_per_execution = arguments.integer("steps_per_execution", steps_per_execution,
-                                            minimum=1, owner="GBAStrategy")
-    if steps_per_execution != steps_per_execution_lib.DEFAULT:
+    if steps_per_execution is not None:
+      steps_per_execution = arguments.integer("steps_per_execution", steps_per_execution,
+                                              minimum=1, owner="GBAStrategy")
       modes_lib.check_steps_per_execution(mode, steps_per_execution,
                                           "GBAStrategy(steps_per_execution)")
     hop_bs_bound = arguments.integer("hop_bs_bound", hop_bs_bound, minimum=0, owner="GBAStrategy")
@@ -159,8 +159,9 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     super().__init__(cluster_resolver, variable_partitioner)
     # Keras' steps-per-execution counter: here, not on a parameter server, with this default
     # (1 in the barrier modes, which refuse more).
-    if mode in modes_lib.BARRIER_MODES:
-      steps_per_execution = 1
+    if steps_per_execution is None:
+      steps_per_execution = (1 if mode in modes_lib.BARRIER_MODES
+                             else steps_per_execution_lib.DEFAULT)
     self.extended._create_variable = steps_per_execution_lib.counter_creator(  # pylint: disable=protected-access
         self.extended._create_variable, steps_per_execution,  # pylint: disable=protected-access
         lambda value: modes_lib.check_steps_per_execution(
@@ -205,7 +206,18 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     # The coordinator arrives here before its worker threads exist (ClusterCoordinator.__new__
     # stores it, __init__ starts them), and every function passes through `schedule`: the first
     # call puts the timers on the threads and gives `schedule` back.
-    schedule = coordinator.schedule
+    # `schedule` also traces a function the first time it is given it: a refusal raised there
+    # reaches the user as the one line it is (`keras_apply.raised_in_loop_staging`).
+    original = coordinator.schedule
+
+    def schedule(*args, **kwargs):
+      try:
+        return original(*args, **kwargs)
+      except (ValueError, TypeError) as e:
+        own = keras_apply.raised_in_loop_staging(e)
+        if own is None:
+          raise
+        raise own from None
 
     def first_schedule(*args, **kwargs):
       coordinator.schedule = schedule

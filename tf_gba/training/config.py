@@ -5,7 +5,6 @@ import math
 from typing import Optional
 
 from tf_gba.distribute import modes as modes_lib
-from tf_gba.distribute import steps_per_execution as steps_per_execution_lib
 from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.ops import gba_ops
 from tf_gba.training import mode_registry
@@ -391,7 +390,7 @@ class TrainConfig:
       return self.steps_per_execution
     if (self.input != "shared" or self.mode in modes_lib.BARRIER_MODES
         or mode_registry.get(self.mode).kind != mode_registry.PARAMETER_SERVER):
-      return steps_per_execution_lib.DEFAULT
+      return 1
     return max(1, min(MAX_DEFAULT_SCHEDULED_STEPS, self.interval_steps() // self.num_workers))
 
   @property
