@@ -1,7 +1,7 @@
 """What one distributed training step costs, by process role, beside one process's training.
 
   python -m benchmarks.step_cost [--modes=gba,async_plain,sync,user_fit,single] [--steps=4000]
-                                 [--num_workers=4] [--local_batch_size=256] [--log_every=100]
+                                 [--num_workers=4] [--local_batch_size=256] [--log_every=200]
                                  [--repeats=1] [--trees=.] [--out=runs/bench_step_cost]
                                  [binary flags ...]
 
@@ -190,7 +190,7 @@ def main(argv=None):
                       "to the last progress line")
   p.add_argument("--num_workers", type=int, default=4)
   p.add_argument("--local_batch_size", type=int, default=256)
-  p.add_argument("--log_every", type=int, default=100,
+  p.add_argument("--log_every", type=int, default=200,
                  help="the binary's progress interval (its default): a progress line reads "
                       "counters from every server, part of the coordinator's cost per step")
   p.add_argument("--repeats", type=int, default=1)

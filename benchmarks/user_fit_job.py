@@ -7,7 +7,7 @@ steps per scheduled function among them). Prints `step N/T` at each epoch's end,
 step_cost's window is read between.
 
   python benchmarks/user_fit_job.py [--steps=4000] [--num_workers=4] [--local_batch_size=256]
-                                    [--log_every=100]
+                                    [--log_every=200]
 
 Imports only tf_gba (the tree step_cost runs it with) and Keras.
 """
@@ -33,7 +33,7 @@ def main(argv=None) -> None:
   p.add_argument("--steps", type=int, default=4000, help="worker steps in all")
   p.add_argument("--num_workers", type=int, default=4)
   p.add_argument("--local_batch_size", type=int, default=256)
-  p.add_argument("--log_every", type=int, default=100, help="worker steps per epoch")
+  p.add_argument("--log_every", type=int, default=200, help="worker steps per epoch")
   args = p.parse_args(argv)
   config = TrainConfig()
   info = data_lib.data_info(config.data)

@@ -72,12 +72,14 @@ def define_flags() -> None:
   flags.DEFINE_string("model_dir", "/tmp/tf_gba_train",
                       "Checkpoints, summary.json and TensorBoard logs; restored from if present.")
   flags.DEFINE_integer("eval_every", 0, "Evaluate every N worker steps (0: at the end only).")
-  flags.DEFINE_integer("log_every", 100, "Progress line every N worker steps.")
+  flags.DEFINE_integer("log_every", 200,
+                       "Progress line every N worker steps (each line costs the coordinator "
+                       "reads from every server).")
   flags.DEFINE_integer("steps_per_execution", None,
                        "Parameter-server modes: worker steps run by one function the coordinator "
                        "schedules (each step its own batch, token and push); fewer functions cost "
-                       "the coordinator less CPU per step. Unset: with --input=shared, 20, or "
-                       "fewer where an interval (--log_every) has fewer than 20 per worker (a "
+                       "the coordinator less CPU per step. Unset: with --input=shared, 50, or "
+                       "fewer where an interval (--log_every) has fewer than 50 per worker (a "
                        "function run again after its worker failed skips the steps already "
                        "done); 1 with --input=sharded (a re-run trains its whole function again) "
                        "and in hop_bs and hop_bw, which refuse more than 1.")

@@ -199,3 +199,11 @@ def test_auto_policy_defaults_are_the_same_in_the_binary_the_config_and_the_poli
   for name in auto_fields:
     assert flags.FLAGS[name].default == getattr(config, name), name
   assert auto_job.policy_config(config) == auto_policy.PolicyConfig()
+
+
+def test_the_progress_interval_is_the_same_in_the_binary_and_the_config():
+  # The binary's flag is written apart from TrainConfig (its supervisor does not import
+  # TensorFlow, which the config does); the default's cost is measured in docs/step_cost.md.
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  _binary_flags()
+  assert flags.FLAGS["log_every"].default == TrainConfig().log_every == 200

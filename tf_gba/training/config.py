@@ -29,9 +29,11 @@ INPUTS = ("shared", "sharded")
 # Worker steps of a run that reads static shards and sets no --steps (the original default).
 DEFAULT_STEPS = 2000
 # --steps_per_execution's default with the shared data list: the coordinator's CPU per worker step
-# falls with the steps per function (about 5.9 ms at 1, 0.7-1.1 at 20 with DeepFM on 4 workers:
-# docs/step_cost.md), little more beyond.
-MAX_DEFAULT_SCHEDULED_STEPS = 20
+# falls with the steps per function and the steps per progress line (DeepFM on 4 workers,
+# docs/step_cost.md: about 5.9 ms at 1 step per function; 0.46 at 20 with a line every 100 steps,
+# 0.20 at 50 with a line every 200). A line costs the coordinator about 22 ms (its reads of every
+# server's counters, Keras' epoch), so it is paid once per 200 steps by default.
+MAX_DEFAULT_SCHEDULED_STEPS = 50
 
 
 @dataclasses.dataclass
@@ -58,7 +60,7 @@ class TrainConfig:
   steps: Optional[int] = None
   model_dir: str = "/tmp/tf_gba_train"
   eval_every: int = 0
-  log_every: int = 100
+  log_every: int = 200  # examples/train.py's flag says the same
   # Parameter-server modes: worker steps per scheduled function (None: the mode's default,
   # `scheduled_steps`).
   steps_per_execution: Optional[int] = None
