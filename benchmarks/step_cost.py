@@ -1,7 +1,7 @@
 """What one distributed training step costs, by process role, beside one process's training.
 
   python -m benchmarks.step_cost [--modes=gba,async_plain,sync,user_fit,single] [--steps=4000]
-                                 [--num_workers=4] [--local_batch_size=256] [--log_every=200]
+                                 [--num_workers=4] [--local_batch_size=256] [--log_every=N]
                                  [--repeats=1] [--trees=.] [--out=runs/bench_step_cost]
                                  [binary flags ...]
 
@@ -36,15 +36,17 @@ import shlex
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from benchmarks import mode_qps
 from benchmarks.process_cpu import ProcessTreeCpu
 from tf_gba.training import mode_registry
+from tf_gba.training.config import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLES = ("coordinator", "ps", "worker", "tfdata_worker", "tfdata_dispatcher", "other")
 SINGLE = "single"
+DEFAULT_LOG_EVERY = TrainConfig().log_every
 # A user's own script: `model.fit` under GBAStrategy with its default settings on a LocalCluster.
 USER_FIT = "user_fit"
 
@@ -93,15 +95,17 @@ def _measure(cmd: List[str], tree: str, log: str) -> Dict[str, float]:
 
 
 def binary_flags(mode: str, steps: int, model_dir: str, extra, num_workers: int,
-                 local_batch_size: int, log_every: int) -> List[str]:
-  """examples/train.py's flags for one run of `mode` (no stragglers)."""
+                 local_batch_size: int, log_every: Optional[int]) -> List[str]:
+  """examples/train.py's flags for one run of `mode` (no stragglers); `log_every` None leaves the
+  binary's own."""
   flags = mode_qps.binary_flags(mode, "none", steps, model_dir, extra, num_workers,
                                 local_batch_size)
-  return [f for f in flags if not f.startswith("--log_every")] + [f"--log_every={log_every}"]
+  return ([f for f in flags if not f.startswith("--log_every")]
+          + ([f"--log_every={log_every}"] if log_every else []))
 
 
 def _binary_run(mode: str, steps: int, tree: str, out: str, extra, num_workers: int,
-                local_batch_size: int, log_every: int) -> dict:
+                local_batch_size: int, log_every: Optional[int]) -> dict:
   model_dir = os.path.join(out, f"{mode}_{steps}")
   subprocess.run(["rm", "-rf", model_dir], check=True)
   os.makedirs(model_dir)
@@ -190,8 +194,10 @@ def main(argv=None):
                       "to the last progress line")
   p.add_argument("--num_workers", type=int, default=4)
   p.add_argument("--local_batch_size", type=int, default=256)
-  p.add_argument("--log_every", type=int, default=200,
-                 help="the binary's progress interval (its default): a progress line reads "
+  p.add_argument("--log_every", type=int, default=None,
+                 help="the binary's progress interval; by default each tree's binary keeps its "
+                      f"own (this one's: {DEFAULT_LOG_EVERY}), and the user_fit and single runs "
+                      f"take an epoch of {DEFAULT_LOG_EVERY} steps. A progress line reads "
                       "counters from every server, part of the coordinator's cost per step")
   p.add_argument("--repeats", type=int, default=1)
   p.add_argument("--trees", default=".",
@@ -209,9 +215,10 @@ def main(argv=None):
   if stray:
     p.error(f"unrecognized arguments: {' '.join(stray)} (the binary's flags, passed on, are "
             "--name=value)")
-  if args.steps < 4 * args.log_every:
+  interval = args.log_every or DEFAULT_LOG_EVERY
+  if args.steps < 4 * interval:
     p.error(f"--steps={args.steps} leaves too few progress lines of --log_every="
-            f"{args.log_every} after a quarter of the run: use at least {4 * args.log_every}")
+            f"{interval} after a quarter of the run: use at least {4 * interval}")
   trees = {}
   for item in args.trees.split(","):
     name, _, path = item.rpartition(":")
@@ -241,10 +248,10 @@ def main(argv=None):
           continue  # one process without a strategy: the same in every tree, run once
         out = os.path.join(args.out, f"{tname}_{rep}")
         if mode == SINGLE:
-          cost = _single_run(args.steps, ROOT, out, args.local_batch_size, args.log_every)
+          cost = _single_run(args.steps, ROOT, out, args.local_batch_size, interval)
         elif mode == USER_FIT:
           cost = _user_fit_run(args.steps, tree, out, args.num_workers, args.local_batch_size,
-                               args.log_every)
+                               interval)
         else:
           cost = _binary_run(mode, args.steps, tree, out, extra, args.num_workers,
                              args.local_batch_size, args.log_every)
@@ -265,11 +272,12 @@ def main(argv=None):
       single = {t: per["job"] for t in trees}
     results[key] = per
   load = os.getloadavg()
+  lines_at = (f"every {args.log_every} steps" if args.log_every else
+              "at each binary's default interval")
   lines = [f"ms of CPU per worker step over each run's warm window ({args.steps} worker steps "
-           "a run); "
-           f"{args.num_workers} workers, local batch {args.local_batch_size}; "
-           f"{args.repeats} repeat(s); load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
-           "at the end", *table(results, single, args.local_batch_size)]
+           f"a run); {args.num_workers} workers, local batch {args.local_batch_size}; a progress "
+           f"line {lines_at}; {args.repeats} repeat(s); load average {load[0]:.2f} "
+           f"{load[1]:.2f} {load[2]:.2f} at the end", *table(results, single, args.local_batch_size)]
   print("\n" + "\n".join(lines))
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "step_cost.json"), "w") as f:

@@ -1,5 +1,5 @@
 """The chaos drill's short schedule (benchmarks/chaos.py --short) on gba: five faults of four kinds
-at fixed global steps of an 800-step run (a killed worker, a stalled worker link, a stalled
+at fixed global steps of a 1,600-step run (a killed worker, a stalled worker link, a stalled
 parameter-server link longer than --stall_timeout_s, a parameter server killed and killed again
 while the job restarts, 3 % packet loss), each check of the verdict asserted on its own. The network faults need root and iptables (the drill installs it); without them the drill
 skips them and says so, and the test still checks the rest."""
