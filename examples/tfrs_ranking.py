@@ -19,11 +19,11 @@ Run:
 It prints the test RMSE next to that of the mean predictor (the training ratings' mean). The
 default 10 passes over the training ratings (95 global steps) gave 0.997 and 1.031 in two runs
 (1.011 and 1.001 with compile(steps_per_execution=1), the strategy's default before; each
-epoch's 19 local batches are now one function on one worker) against 1.131; the tutorial's 3 passes are not enough here (1.150). `--optimizer=adaptive_revision`
-trains the same model with AdaptiveRevision(alpha=0.1, g0=0.1), asynchronously (0.957 after 10
-passes; 0.959-0.967 in eight runs of 160 local batches, where the paper's G0 = 1 gave 1.041-1.091
-in thirteen runs and 1.142 once, and learned little beyond the mean: its predictions spread
-0.1-0.3 against Adagrad's 0.57).
+epoch's 19 local batches are now one function on one worker) against 1.131; the tutorial's 3
+passes are not enough here (1.150). `--optimizer=adaptive_revision` trains the same model with
+AdaptiveRevision(alpha=0.1, g0=0.1), asynchronously (0.957 after 10 passes; 0.959-0.967 in eight
+runs of 160 local batches, where the paper's G0 = 1 gave 1.041-1.091 in thirteen runs and 1.142
+once, and learned little beyond the mean: its predictions spread 0.1-0.3 against Adagrad's 0.57).
 """
 
 import argparse

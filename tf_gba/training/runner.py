@@ -581,8 +581,9 @@ def _record_server_restarts(cluster, model_dir: str) -> None:
 _READ_AGAIN_S = 0.5
 
 
-def _wait_for_unreadable_workers(job: "_Job", limit_s: float) -> None:
-  """At the run's end, before its last reads: waits up to `limit_s` for every worker's counters.
+def _wait_for_unreadable_workers(job: "_Job", limit_s: float) -> List[dict]:
+  """At the run's end, before its last reads: waits up to `limit_s` for every worker's counters;
+  returns the workers' step counters read last (`GBAStrategy.worker_step_stats`).
 
   The final checkpoint's data position and the summary's per-worker counts are read from the
   workers. A worker that cannot be read then (its link stalled, its process being started again)
@@ -592,25 +593,27 @@ def _wait_for_unreadable_workers(job: "_Job", limit_s: float) -> None:
   uncounted. Such a worker comes back: the coordinator's worker thread finds it reachable again
   and creates its counters afresh, which `DayCounters.read_counts` carries over.
   """
-  def unreadable() -> List[int]:
-    out = [w["worker"] for w in job.strategy.worker_step_stats() if w.get("unreachable")]
-    if not out and job.shared_input is not None and job.shared_input.seen_total() is None:
-      out = [-1]  # a worker's data counters not yet created again
-    return out
+  def read():  # (the step counters, the workers that cannot be read)
+    stats = job.strategy.worker_step_stats()
+    unreadable = [w["worker"] for w in stats if w.get("unreachable")]
+    if not unreadable and job.shared_input is not None and job.shared_input.seen_total() is None:
+      unreadable = [-1]  # a worker's data counters not yet created again
+    return stats, unreadable
 
-  waiting = unreadable()
+  stats, waiting = read()
   if not waiting:
-    return
+    return stats
   named = ", ".join(f"worker:{w}" for w in waiting if w >= 0) or "a worker"
   _log(f"tf_gba: waiting up to {limit_s:.0f} s (--stall_timeout_s) for {named}, which cannot be "
        "read, before the final checkpoint")
   deadline = time.time() + limit_s
   while waiting and time.time() < deadline:
     time.sleep(_READ_AGAIN_S)
-    waiting = unreadable()
+    stats, waiting = read()
   if waiting:
     _log(f"tf_gba: {named} still cannot be read: the final checkpoint keeps the data position "
          "saved last, and the summary lists it in data_list.unreadable_workers")
+  return stats
 
 
 def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
@@ -726,8 +729,7 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
       _record_server_restarts(cluster, config.model_dir)
       _stop_on_signal(job)
     t1 = time.time()
-    _wait_for_unreadable_workers(job, config.stall_timeout_s)
-    worker_stats = strategy.worker_step_stats()
+    worker_stats = _wait_for_unreadable_workers(job, config.stall_timeout_s)
     # Throughput over the steady state: the first interval pays for tracing and start-up.
     if epochs > 1 and progress.warm is not None:
       warm_time, warm_steps, warm_workers = progress.warm
