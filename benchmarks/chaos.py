@@ -80,11 +80,14 @@ MODE_KINDS = {
 # run (M = 2: 800 global steps), five faults of four kinds, each injected once its step is reached
 # and the fault before it is over. A preemption is left to tests/e2e/test_preemption.py: the short
 # schedule is what fits in `make test`. The run is twice as long as the last fault's step: during
-# the 8 s worker stall the other worker goes on alone, and on a faster machine (284 global steps
-# in those 8 s) an 800-step run ended before the last three faults were due.
+# the worker stall the other worker goes on alone (on a faster machine, 284 global steps in 8 s),
+# and a shorter run ended before the last faults were due. The stalled worker is not the killed
+# one, and its stall comes first: a worker restarted in place is not read at a progress line
+# (TF's runtime no longer knows it as a device of the coordinator), and while TF's coordinator
+# takes a restarted worker back, it updates every server, and waits for a stalled link.
 SHORT = (
-    dict(kind="kill_worker", at=40, target="worker"),
-    dict(kind="stall", at=90, target="worker", duration_s=8.0),
+    dict(kind="stall", at=40, target="worker:1", duration_s=12.0),
+    dict(kind="kill_worker", at=90, target="worker:0"),
     dict(kind="stall", at=150, target="ps", duration_s=18.0),
     dict(kind="during_recovery", at=230, target="ps", second="kill_ps", gap_s=0.5),
     dict(kind="loss", at=320, loss_pct=3.0, duration_s=10.0),
@@ -99,8 +102,10 @@ STEPS_PER_SECOND = 40
 # restarted in place, and a network fault may or may not restart it.
 _RESTARTS = ("kill_ps", "kill_job", "kill_coordinator", "sigterm", "double", "during_recovery",
              "during_checkpoint")
-# How tf_gba.training.slow_interval's lines begin (not imported: the drill runs without TF).
+# How tf_gba.training.slow_interval's lines begin (not imported: the drill runs without TF): a
+# slow interval's, and a worker's that did not answer a progress line (`SilentWorkers`).
 _SLOW_INTERVAL = "tf_gba: the last "
+_SILENT_WORKER = re.compile(r"^tf_gba: worker:\d+ (did not answer in|answers again after) ")
 _CLEAN_EXITS = (0, 75, 143, -signal.SIGKILL)
 _PROGRESS = re.compile(r"^step (\d+)/\d+\s+global step (\d+)")
 _RESUMED = re.compile(r"resuming an interrupted run \(restart (\d+)\): global step (\d+)")
@@ -307,7 +312,7 @@ class Drill:
       # The job's own lines: its errors and restarts on stderr; what it did about a slow
       # interval (tf_gba.training.slow_interval) on stdout, beside its progress lines.
       if (is_err and line.startswith(("train.py:", "tf_gba:"))) or line.startswith(
-          _SLOW_INTERVAL):
+          _SLOW_INTERVAL) or _SILENT_WORKER.match(line):
         self.events.append((now, line.strip()))
 
   def step(self) -> int:
@@ -387,10 +392,11 @@ class Drill:
       return root
     if target == "job":
       return process_tree.job_process(root) or root  # sync: the command is the job
-    # "tfdata": any server of the tf.data service, its workers and its dispatcher.
+    # "tfdata": any server of the tf.data service, its workers and its dispatcher; "worker:1"
+    # that one.
     prefix = "tfdata_" if target == "tfdata" else target + ":"
     servers = sorted((name, pid) for name, pid in process_tree.servers(root).items()
-                     if name.startswith(prefix))
+                     if name == target or name.startswith(prefix))
     return self.rng.choice(servers)[1] if servers else None
 
   def _kill(self, target: str, sig=signal.SIGKILL) -> str:
@@ -527,7 +533,7 @@ class Drill:
       # the first progress line after the stall: it knows which worker fell behind, where the
       # drill sees no progress line at all while the line waits for the stalled link.
       said = [e for t, e in self.events if start < t <= start + elapsed + 30
-              and e.startswith(_SLOW_INTERVAL)]
+              and (e.startswith(_SLOW_INTERVAL) or " did not answer in " in e)]
     if restarted:
       # Why, in the job's own first line after the stall began (Stalled past --stall_timeout_s,
       # a lost server, sync's lost peer).

@@ -1,7 +1,8 @@
 """The chaos drill's short schedule (benchmarks/chaos.py --short) on gba: five faults of four kinds
-at fixed global steps of a 1,600-step run (a killed worker, a stalled worker link, a stalled
-parameter-server link longer than --stall_timeout_s, a parameter server killed and killed again
-while the job restarts, 3 % packet loss), each check of the verdict asserted on its own. The network faults need root and iptables (the drill installs it); without them the drill
+at fixed global steps of a 1,600-step run (a stalled worker link, worked around; a killed worker;
+a stalled parameter-server link longer than --stall_timeout_s; a parameter server killed and
+killed again while the job restarts; 3 % packet loss), each check of the verdict asserted on its
+own. The network faults need root and iptables (the drill installs it); without them the drill
 skips them and says so, and the test still checks the rest."""
 
 import json
@@ -43,5 +44,11 @@ def test_the_short_chaos_schedule_ends_where_an_undisturbed_run_ends(tmp_path):
     assert stalls and all(r["reaction"].startswith(
         ("worked around:", "waited for", "restarted from the last checkpoint")) for r in stalls), [
             r["reaction"] for r in stalls]
+    # The worker's link stalled 12 s: the progress lines did not wait for it, the other worker
+    # went on, and the job said so itself (`slow_interval.SilentWorkers`), with no restart.
+    worker_stall = next(r for r in stalls if "worker:1" in " ".join(r["did"]))
+    assert worker_stall["reaction"].startswith("worked around: the job said so (worker:1 did "
+                                               "not answer"), worker_stall["reaction"]
+    assert worker_stall["global_steps_during"] > 0, worker_stall
   assert result["verdict"] == "PASS", context
   assert proc.returncode == 0

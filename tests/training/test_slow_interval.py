@@ -47,9 +47,10 @@ _USUAL = [(0, 0, [0, 0], [0.3, 0.3]), (2, 40, [20, 20], [0.4, 0.3]), (4, 80, [40
 
 
 def test_a_worker_whose_function_was_long_held_the_interval_up_whatever_the_counts():
-  # A worker's link cut for 12 s: the other one goes on only until the progress line, so the
-  # counts are even (the case step counts alone called "every worker held up"); the coordinator
-  # waited 13 s for one of worker 1's functions and at most 0.4 s for worker 0's.
+  # A worker's link cut for 12 s while a progress line waited for every worker: the other one
+  # went on only until that line, so the counts are even (the case step counts alone called
+  # "every worker held up"); the coordinator waited 13 s for one of worker 1's functions and at
+  # most 0.4 s for worker 0's.
   watch = slow_interval.SlowIntervalWatch(waits_for_every_worker=False)
   said = _feed_timed(watch, _USUAL + [(18, 120, [60, 60], [0.4, 13.0])])
   assert said[:3] == [None] * 3
@@ -57,7 +58,8 @@ def test_a_worker_whose_function_was_long_held_the_interval_up_whatever_the_coun
   assert 13.0 >= slow_interval.HELD_SHARE * lost > 0.4
   assert said[3].startswith("tf_gba: the last 40 steps took 14 s, 7x the usual (2.0 s): "
                             "worker:1 made 20 of them and held it up (a function of 13 s, the "
-                            "others' at most 0.4 s); worked around it until the progress line")
+                            "others' at most 0.4 s); worked around it: the other workers made "
+                            "their steps")
 
 
 def test_every_worker_with_long_functions_was_held_up_even_when_counts_name_one():
@@ -81,3 +83,20 @@ def test_no_long_function_means_the_coordinator_itself_was_held_up():
   said = _feed_timed(counted, [(t, s, e, None) for t, s, e, _ in _USUAL] +
                      [(18, 120, [44, 76], None)])
   assert "worker:0 made 4 of them; worked around it" in said[3]
+
+
+def test_a_worker_that_does_not_answer_is_said_once_and_again_when_it_answers():
+  silent = slow_interval.SilentWorkers()
+  assert silent.update(100.0, [], [0.2, 0.3], 500) == []
+  # Worker 1's function started 7 s before the line that found it silent.
+  said = silent.update(110.0, [1], [0.4, 7.0], 800)
+  assert len(said) == 1 and said[0].startswith(
+      f"tf_gba: worker:1 did not answer in {slow_interval.NO_ANSWER_S:.0f} s (its function has "
+      "run 7 s, the others' at most 0.4 s: its link or its process stalled); worked around it "
+      "until the next checkpoint, which waits for it: the other workers go on")
+  assert silent.silent == [1]
+  assert silent.update(115.0, [1], [0.3, 12.0], 950) == []  # said once, not at every line
+  # Back at 125 s: silent since 103 s (110 - 7), 1,100 - 800 global steps made meanwhile.
+  assert silent.update(125.0, [], [0.3, 0.2], 1100) == [
+      "tf_gba: worker:1 answers again after 22 s; 300 global steps were made without it."]
+  assert silent.silent == []

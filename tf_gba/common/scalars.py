@@ -22,7 +22,10 @@ class ScalarWriter:
     self.writer = tf.summary.create_file_writer(logdir)
     self._functions: Dict[Tuple[str, ...], tf.types.experimental.GenericFunction] = {}
     self._flush_s = float(flush_s)
-    self._flushed = time.monotonic()
+    # Flushed once now: an eager op's first run registers a function of it on every server of
+    # the cluster, and a first flush that came while a worker's link was stalled waited for that
+    # link (measured: the coordinator held up until the stall limit restarted the job).
+    self.flush()
 
   def write(self, step: int, scalars: Dict[str, float], flush: bool = False) -> None:
     """Writes each `name: value` of `scalars` at `step`; flushes when `flush` or when `flush_s`

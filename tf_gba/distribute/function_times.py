@@ -52,3 +52,9 @@ class FunctionTimes:
              for longest, start in zip(self._longest, self._running)]
       self._longest = [0.0] * len(out)
     return out
+
+  def running_seconds(self) -> List[float]:
+    """Per worker, how long its function running now has run (0.0 where none runs)."""
+    now = time.monotonic()
+    with self._lock:
+      return [0.0 if start is None else now - start for start in self._running]

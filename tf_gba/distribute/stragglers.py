@@ -179,6 +179,9 @@ def timed_step_end(start, profile: str, seed: int):
 
 
 _ALL_WORKER_STATS = {}  # num_workers -> function reading every worker's counters at once
+# Seconds a read of one worker's counters is waited for once the read of all of them went
+# unanswered (`worker_step_stats` with a deadline).
+_ALONE_S = 0.5
 
 
 def _read_all_worker_stats(num_workers: int) -> Optional[np.ndarray]:
@@ -202,27 +205,53 @@ def _read_all_worker_stats(num_workers: int) -> Optional[np.ndarray]:
     return None
 
 
-def worker_step_stats(num_workers: int) -> List[dict]:
-  """Reads each worker process's step counters (eagerly, from the coordinator)."""
+def _read_one_worker(i: int) -> Optional[List[int]]:
+  """Worker i's counters alone, or None where it fails (a worker restarted after its process
+  died is not a device of this eager context any more: the training closures reach it through
+  the coordinator, and the dead process's counters are gone with it)."""
+  try:
+    with tf.device(WORKER_DEVICE.format(i)):
+      return [int(x) for x in _ops().gba_worker_step_stats().numpy()]
+  except tf.errors.OpError:
+    return None
+
+
+def worker_step_stats(num_workers: int, calls=None) -> List[dict]:
+  """Reads each worker process's step counters (eagerly, from the coordinator).
+
+  `calls`: a `tf_gba.common.bounded_calls.BoundedCalls`, to wait for each worker only up to its
+  deadline; a worker that did not answer by then (its link stalled) is marked `unreachable` and
+  `no_answer`. Without it, a read waits for every worker however long it takes.
+  """
+  rows: List[Optional[List[int]]] = [None] * num_workers
+  no_answer = [False] * num_workers
+  if calls is None:
+    together = _read_all_worker_stats(num_workers)
+  elif calls.in_flight("all"):
+    together = None  # a worker did not answer the last read of all of them: one at a time
+  else:
+    answered, together = calls.call("all", lambda: _read_all_worker_stats(num_workers))
+    together = together if answered else None
+  if together is not None:
+    rows = [[int(x) for x in together[i]] for i in range(num_workers)]
+  elif calls is None:
+    rows = [_read_one_worker(i) for i in range(num_workers)]  # a restarted one fails alone
+  else:
+    # Something did not answer the read of all of them: each alone, briefly, names which.
+    answers = calls.call_many({i: (lambda i=i: _read_one_worker(i)) for i in range(num_workers)},
+                              deadline_s=min(calls.deadline_s, _ALONE_S))
+    for i, (answered, row) in answers.items():
+      rows[i], no_answer[i] = row, not answered
   out = []
-  together = _read_all_worker_stats(num_workers)
-  for i in range(num_workers):
-    try:
-      if together is not None:
-        stats = [int(x) for x in together[i]]
-      else:
-        # Worker by worker: a restarted one fails alone.
-        with tf.device(WORKER_DEVICE.format(i)):
-          stats = [int(x) for x in _ops().gba_worker_step_stats().numpy()]
-      steps, busy, delay, first = stats[:4]
-    except tf.errors.OpError:
-      # A worker restarted after its process died is not a device of this eager context any
-      # more (the training closures reach it through the coordinator), and the dead process's
-      # counters are gone with it: zeros, marked.
+  for i, stats in enumerate(rows):
+    if stats is None:
+      # Zeros, marked: the worker failed (restarted) or did not answer in time.
       out.append({"worker": i, "steps": 0, "busy_seconds": 0.0, "delay_seconds": 0.0,
-                  "first_step_unix": 0.0, "unreachable": True, "position_step": None,
-                  "position_elapsed_ns": None, "max_step_seconds": 0.0})
+                  "first_step_unix": 0.0, "unreachable": True, "no_answer": no_answer[i],
+                  "position_step": None, "position_elapsed_ns": None,
+                  "max_step_seconds": 0.0})
       continue
+    steps, busy, delay, first = stats[:4]
     out.append({"worker": i, "steps": steps, "busy_seconds": busy * 1e-9,
                 "delay_seconds": delay * 1e-9, "first_step_unix": first * 1e-9,
                 # Where the worker is in its straggler sequence (resumptions included).

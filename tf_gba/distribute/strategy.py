@@ -235,6 +235,12 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     times = self.__dict__.get("_gba_function_times")
     return None if times is None else times.longest_since_last_read()
 
+  def running_seconds(self) -> Optional[list]:
+    """Per worker, how long the function it runs now has run (0 for none; `function_times`);
+    None before the coordinator exists."""
+    times = self.__dict__.get("_gba_function_times")
+    return None if times is None else times.running_seconds()
+
   def _join_releasing_blocked_workers(self, coordinator, join):
     """Runs `join()`; meanwhile releases barrier waits that nothing can release any more.
 
@@ -453,9 +459,10 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     if self._gba_version_barrier is not None:
       self._gba_version_barrier.release()
 
-  def worker_step_stats(self):
-    """Per worker: steps run, seconds busy and seconds of injected delay (read eagerly)."""
-    return stragglers_lib.worker_step_stats(self._gba_num_workers)
+  def worker_step_stats(self, calls=None):
+    """Per worker: steps run, seconds busy and seconds of injected delay (read eagerly);
+    `calls` (`BoundedCalls`): wait for each worker only up to its deadline."""
+    return stragglers_lib.worker_step_stats(self._gba_num_workers, calls)
 
   @autograph.framework_function
   def run(self, fn, args=(), kwargs=None, options=None):

@@ -29,6 +29,7 @@ from tf_gba.distribute import stragglers as stragglers_lib
 from tf_gba.distribute import tf_config as tf_config_lib
 from tf_gba.ops import worker_clock
 from tf_gba.optimizers import GBA
+from tf_gba.common import bounded_calls
 from tf_gba.common import exiting
 from tf_gba.common import interrupt
 from tf_gba.common import metrics
@@ -159,6 +160,7 @@ class _Progress(keras.callbacks.Callback):
     self.warm = None  # (time, steps, per-worker stats) after the first interval (tracing, start-up)
     self._last_line = None  # steps finished at the last progress line
     self._slow = slow_interval.SlowIntervalWatch(waits_for_every_worker=False)
+    self._silent = slow_interval.SilentWorkers()
     # The loss of the last epoch that trained (see `_epoch_loss`).
     self.last_loss = None
     self._read_loss = None  # (the loss metric, a function reading its total and count)
@@ -193,8 +195,9 @@ class _Progress(keras.callbacks.Callback):
     if steps % job.config.log_every and steps < job.total_steps:
       return  # an epoch that ends at a checkpoint only
     elapsed = time.time() - self._t0
-    workers = job.strategy.worker_step_stats()
-    if not any(w.get("unreachable") for w in workers):
+    workers = job.read_workers()
+    readable = not any(w.get("unreachable") for w in workers)
+    if readable:
       # Steps finished (the epoch's last ones may still run, see `pipelining`), and with the
       # shared list those that trained a batch (its no-op reads at the end are not steps).
       steps = sum(w["steps"] for w in workers)
@@ -205,12 +208,18 @@ class _Progress(keras.callbacks.Callback):
       self._last_line = steps
       said = self._slow.interval(time.time(), steps, [w["steps"] for w in workers],
                                  job.strategy.function_seconds())
-      if said:
+      # An interval in which a worker did not answer: `SilentWorkers` says what happened.
+      if said and not self._silent.silent:
         _log(said)  # beside the progress lines: what the job did, not an error
     # Reads only, so read again when TF's runtime cancels them (recovery.retry_cancelled).
     stats = recovery.retry_cancelled(lambda: _optimizer_stats(job.optimizer))
+    for line in self._silent.update(time.time(), [w["worker"] for w in workers
+                                                  if w.get("no_answer")],
+                                    job.strategy.running_seconds(), stats["global_step"]):
+      _log(line)
+    # The data position reads every worker, so not while one cannot be read (it would wait).
     seen = (recovery.retry_cancelled(job.shared_input.seen_total)
-            if job.shared_input is not None else None)
+            if job.shared_input is not None and readable else None)
     if seen is not None:
       recovery.record_seen(job.config.model_dir, seen, stats["global_step"])
     recovery.report(job.config.model_dir, stats["global_step"])
@@ -263,6 +272,11 @@ class PeriodicCheckpoint(keras.callbacks.Callback):
   temporary names, renames them, and only then points the `checkpoint` state file at them (itself
   replaced by a rename), so a process killed mid-write leaves the previous checkpoint the newest
   one listed. The time interval is checked at the end of each epoch (see `epoch_steps`).
+
+  A checkpoint waits for every step scheduled, a stalled worker's too: a progress line does not
+  wait for a worker that does not answer (`_Job.read_workers`), but the checkpoint after it
+  does, so that no fault loses more than one checkpoint interval; past --stall_timeout_s the
+  job restarts from the last one (`shared_input.SharedInput.watch`).
   """
 
   def __init__(self, job: "_Job"):
@@ -357,6 +371,14 @@ class _Job:
     self._eval_data = None
     self.shared_input = None  # the shared data list (--input=shared), set up by run()
     self.pipeline = None  # while fit runs: its epochs' ends do not wait (`pipelining`)
+    # A progress line reads the workers' counters waiting for each only so long: a worker whose
+    # link stalled is worked around, not waited for (`read_workers`).
+    self._calls = bounded_calls.BoundedCalls(slow_interval.NO_ANSWER_S)
+
+  def read_workers(self) -> List[dict]:
+    """The workers' step counters, each waited for up to `slow_interval.NO_ANSWER_S`: one that
+    did not answer by then is marked `no_answer` (and `unreachable`), its read left running."""
+    return self.strategy.worker_step_stats(self._calls)
 
   @property
   def total_steps(self):

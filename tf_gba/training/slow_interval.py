@@ -10,9 +10,15 @@ Which worker held an interval up is judged first by how long the coordinator wai
 worker's functions (`function_times`): a worker whose link is cut, or whose steps are stuck, has
 one function that took about as long as the stall, while the others' took their usual time; when
 a parameter server, the data list or every link is slow, every worker's did. Step counts alone
-cannot tell: the others go on only until the progress line, which reads every worker, so over a
-short interval they make no more steps than the stalled one (measured: a worker link dropped for
-12 s, 38 steps in 17 s, counted as every worker held up).
+cannot tell: a progress line waits up to `NO_ANSWER_S` for each worker's counters, so over a short
+stall the others make no more steps than the stalled one (measured, when a line waited for every
+worker however long: a worker link dropped for 12 s, 38 steps in 17 s, counted as every worker
+held up).
+
+A worker that does not answer a progress line's read within `NO_ANSWER_S` (its link cut, its
+process stopped) is not waited for: the line goes on without its counts, the other workers go on
+until the next checkpoint, which waits for every step scheduled (so that a fault loses at most
+one checkpoint interval), and `SilentWorkers` says so in one line, and again when it answers.
 """
 
 import statistics
@@ -29,6 +35,9 @@ HISTORY = 10
 BEHIND_SHARE = 0.5
 # A function that took at least this share of the interval's lost seconds was held up.
 HELD_SHARE = 0.5
+# Seconds a progress line waits for a worker's counters before it goes on without them. A read
+# takes milliseconds; a loaded 2-core machine has taken over a second to answer.
+NO_ANSWER_S = 3.0
 
 
 class SlowIntervalWatch:
@@ -96,6 +105,48 @@ class SlowIntervalWatch:
     if made_each is not None:
       count = f" made {sum(made_each[i] for i in held)} of them and"
     return (f"{head}: {names}{count} held it up (a function of {longest:.0f} s, the others' at "
-            f"most {others:.1f} s); worked around it until the progress line: the other workers "
-            "made their steps, then waited for it there, as a progress line reads every worker "
-            "(its late gradients are judged by their staleness).")
+            f"most {others:.1f} s); worked around it: the other workers made their steps (a "
+            f"progress line waits up to {NO_ANSWER_S:.0f} s for a worker's counters; its late "
+            "gradients are judged by their staleness).")
+
+
+class SilentWorkers:
+  """Says when workers stop answering a progress line's reads, and when they answer again.
+
+  Fed each progress line's workers that did not answer (`no_answer`), how long each worker's
+  function has run (`GBAStrategy.running_seconds`) and the global step; returns the lines to
+  print. A worker stops answering when its link or its process stalls: its function, which
+  started before, has run about as long.
+  """
+
+  def __init__(self):
+    self._since = {}  # worker -> (time its silence began, the global step then)
+
+  @property
+  def silent(self) -> List[int]:
+    return sorted(self._since)
+
+  def update(self, now: float, no_answer: Sequence[int], running_s: Optional[Sequence[float]],
+             global_step: int) -> List[str]:
+    lines = []
+    new = [i for i in no_answer if i not in self._since]
+    if new:
+      running = list(running_s or [])
+      ran = {i: running[i] if i < len(running) else 0.0 for i in new}
+      others = [s for i, s in enumerate(running) if i not in no_answer]
+      for i in new:
+        self._since[i] = (now - ran[i], global_step)
+      names = ", ".join(f"worker:{i}" for i in new)
+      took = f"its function has run {max(ran.values()):.0f} s"
+      if others:
+        took += f", the others' at most {max(others):.1f} s"
+      lines.append(
+          f"tf_gba: {names} did not answer in {NO_ANSWER_S:.0f} s ({took}: its link or its "
+          "process stalled); worked around it until the next checkpoint, which waits for it: the "
+          "other workers go on, and its late gradients will be judged by their staleness.")
+    back = [i for i in sorted(self._since) if i not in no_answer]
+    for i in back:
+      began, step = self._since.pop(i)
+      lines.append(f"tf_gba: worker:{i} answers again after {now - began:.0f} s; "
+                   f"{max(0, global_step - step)} global steps were made without it.")
+    return lines
