@@ -44,11 +44,13 @@ def test_the_short_chaos_schedule_ends_where_an_undisturbed_run_ends(tmp_path):
     assert stalls and all(r["reaction"].startswith(
         ("worked around:", "waited for", "restarted from the last checkpoint")) for r in stalls), [
             r["reaction"] for r in stalls]
-    # The worker's link stalled 12 s: the progress lines did not wait for it, the other worker
-    # went on, and the job said so itself (`slow_interval.SilentWorkers`), with no restart.
+    # The worker's link stalled 12 s, within the stall limit: the job worked around it and said
+    # so itself, with no restart. Which line says it depends on where the stall fell: a progress
+    # line that did not wait for worker:1 (`slow_interval.SilentWorkers`: "did not answer"), or,
+    # where a checkpoint came first and waited for it, the slow interval's line naming worker:1.
     worker_stall = next(r for r in stalls if "worker:1" in " ".join(r["did"]))
-    assert worker_stall["reaction"].startswith("worked around: the job said so (worker:1 did "
-                                               "not answer"), worker_stall["reaction"]
-    assert worker_stall["global_steps_during"] > 0, worker_stall
+    reaction = worker_stall["reaction"]
+    assert reaction.startswith("worked around: the job said so (") and "worker:1" in reaction, (
+        reaction)
   assert result["verdict"] == "PASS", context
   assert proc.returncode == 0

@@ -24,7 +24,6 @@ import tensorflow as tf
 from tf_gba.common import arguments
 from tf_gba.common import autograph
 from tf_gba.common import keras_apply
-from tf_gba.distribute import closure_cancellation
 from tf_gba.distribute import function_times as function_times_lib
 from tf_gba.distribute import modes as modes_lib
 from tf_gba.distribute import step_context
@@ -226,9 +225,6 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
         self.__dict__["_gba_function_times"] = function_times_lib.FunctionTimes(coordinator)
       except AttributeError:
         pass  # a coordinator without these internals: no times, the counts decide
-      # A worker killed mid-function is recovered in place where TF's runtime has cancelled the
-      # coordinator's functions itself (`closure_cancellation`).
-      closure_cancellation.install(coordinator)
       return schedule(*args, **kwargs)
 
     coordinator.schedule = first_schedule
