@@ -568,6 +568,13 @@ class Drill:
         # line or two before it notices.
         self.wait(120, lambda: any(("restarting the job" in e or e.startswith("drill:"))
                                    for _, e in self.events[n_events:]))
+      elif f.kind in ("stall", "partition"):
+        # Until the job has either restarted or shown two progress lines since the stall ended: a
+        # job that worked around a stalled worker can still restart once its next checkpoint has
+        # waited for that worker past the stall limit (the reaction is judged after that).
+        ended = time.time()
+        self.wait(self.stall_limit_s + 60, lambda: self.progress_since(ended) >= 2 or any(
+            "restarting the job" in e or e.startswith("drill:") for _, e in self.events[n_events:]))
       else:
         self.wait(60, lambda: len(self.events) > n_events or self.progress_since(t_inject) >= 2 +
                   int(rec.get("progress_lines_during", 0)))
