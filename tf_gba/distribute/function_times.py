@@ -48,8 +48,8 @@ class FunctionTimes:
     included; then starts over."""
     now = time.monotonic()
     with self._lock:
-      out = [max(longest, 0.0 if start is None else now - start)
-             for longest, start in zip(self._longest, self._running)]
+      out = [max(longest, running)
+             for longest, running in zip(self._longest, self._running_at(now))]
       self._longest = [0.0] * len(out)
     return out
 
@@ -57,4 +57,8 @@ class FunctionTimes:
     """Per worker, how long its function running now has run (0.0 where none runs)."""
     now = time.monotonic()
     with self._lock:
-      return [0.0 if start is None else now - start for start in self._running]
+      return self._running_at(now)
+
+  def _running_at(self, now: float) -> List[float]:
+    # Under self._lock.
+    return [0.0 if start is None else now - start for start in self._running]
