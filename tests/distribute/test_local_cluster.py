@@ -292,12 +292,21 @@ def test_free_ports_are_outside_the_ephemeral_range_and_free(monkeypatch):
   # is taken (and the kernel's choice fills in for any other process's), never the held one.
   monkeypatch.setattr(local_cluster, "_LOWEST_PORT", low - 3000)
   monkeypatch.setattr(local_cluster, "_ephemeral_port_range", lambda: (low - 3000 + 41, high))
+  # The held port is the first of the 41 this test can bind: another process (a server of a test
+  # running alongside) may hold any given one.
   held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-  held.bind(("", low - 3000 + 7))
+  for held_port in range(low - 3000, low - 3000 + 41):
+    try:
+      held.bind(("", held_port))
+      break
+    except OSError:
+      continue
+  else:
+    raise AssertionError(f"every port of {low - 3000}..{low - 3000 + 40} is taken")
   held.listen()
   try:
     ports = local_cluster.free_ports(40)
-    assert len(set(ports)) == 40 and low - 3000 + 7 not in ports, ports
+    assert len(set(ports)) == 40 and held_port not in ports, (held_port, ports)
   finally:
     held.close()
 

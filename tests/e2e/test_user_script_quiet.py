@@ -201,6 +201,37 @@ _HASH = textwrap.dedent("""
                                "steps": int(model.optimizer.iterations.numpy())}))
 """)
 
+# A custom loop that ends in an exception while two functions still run on the workers: an
+# `atexit` handler registered before the cluster reads the coordinator's threads after tf_gba's
+# handler has run, one registered after the coordinator reads them before.
+_IN_FLIGHT = textwrap.dedent("""
+    import atexit, json, threading, time
+    import tf_gba
+    import tensorflow as tf
+
+    def coordinator_threads():
+      return sorted(t.name for t in threading.enumerate()
+                    if t.name.startswith(("WorkerClosureProcessingLoop", "WorkerPreemptionHandler")))
+
+    atexit.register(lambda: print("OWN", json.dumps({"after": coordinator_threads()}), flush=True))
+    with tf_gba.distribute.LocalCluster(num_ps=1, num_workers=2) as cluster:
+      strategy = tf_gba.distribute.GBAStrategy(cluster.resolver(), mode="async")
+      coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+      queue = coordinator._cluster.closure_queue
+      atexit.register(lambda: print("OWN", json.dumps({
+          "before": coordinator_threads(), "in_flight": queue._inflight_closure_count}), flush=True))
+      @tf.function(autograph=False)  # a script given by `python -c` has no source for AutoGraph
+      def four_seconds():
+        start = tf.timestamp()
+        return tf.while_loop(lambda n: tf.timestamp() - start < 4.0, lambda n: n + 1.0, [0.0])
+
+      for _ in range(2):
+        coordinator.schedule(four_seconds)
+      while queue._inflight_closure_count < 2:
+        time.sleep(0.01)
+      raise ValueError("the script's own error")
+""")
+
 # glog's prefix: severity, date, time, thread; what follows names the source line and says what.
 _GLOG_PREFIX = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ ")
 
@@ -316,3 +347,21 @@ def test_plain_optimizers_train_or_are_refused_in_one_line():
   (result,) = own
   assert result["steps"] == 10 and 0 < result["rows"] <= 10 * 8 * 3
   assert all(0.0 < l < 10.0 for l in result["loss"])
+
+
+def test_a_script_ending_with_functions_in_flight_exits_with_its_exception():
+  """ClusterCoordinator stops its threads only in `__del__`, during interpreter finalization: a
+  script that raised with functions in flight was seen to abort there (exit status -6). tf_gba
+  stops them at exit first (`coordinator_exit`): each finishes its function and leaves."""
+  procs = [_start(_ANY_TF_PROGRAM), _start(_IN_FLIGHT)]
+  (base_rc, baseline), (rc, lines) = map(_finish, procs)
+  assert base_rc == 0, baseline
+  assert rc == 1, "\n".join(lines[-60:])
+  own, _ = _split(lines, baseline)
+  before, after = own
+  assert before["in_flight"] == 2, own
+  assert sorted(before["before"]) == ["WorkerClosureProcessingLoop-0",
+                                      "WorkerClosureProcessingLoop-1", "WorkerPreemptionHandler"]
+  assert after["after"] == [], own
+  others = [l for l in lines if not l.startswith(_OWN)]
+  assert _one_exception(others, baseline) == "ValueError: the script's own error"

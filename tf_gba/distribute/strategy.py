@@ -24,6 +24,7 @@ import tensorflow as tf
 from tf_gba.common import arguments
 from tf_gba.common import autograph
 from tf_gba.common import keras_apply
+from tf_gba.distribute import coordinator_exit
 from tf_gba.distribute import function_times as function_times_lib
 from tf_gba.distribute import modes as modes_lib
 from tf_gba.distribute import step_context
@@ -200,6 +201,7 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
       coordinator.join = lambda: self._join_releasing_blocked_workers(coordinator, original)
       coordinator._gba_join_wrapped = True  # pylint: disable=protected-access
       self._time_functions_from_the_first_schedule(coordinator)
+      coordinator_exit.stop_at_exit(coordinator)
     self.__dict__["_gba_coordinator"] = coordinator
 
   def _time_functions_from_the_first_schedule(self, coordinator) -> None:
