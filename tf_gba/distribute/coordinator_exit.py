@@ -49,9 +49,10 @@ def stop_all(join_s: float = _JOIN_S) -> int:
     try:
       cluster = coordinator._cluster  # pylint: disable=protected-access
       queue = cluster.closure_queue
-      # What ClusterCoordinator's own stop does, less cancelling the functions in flight: a
-      # cancelled function logs an error of TensorFlow's on each worker, and a remote handle
-      # left behind one more at finalization. Waiting for them costs what they have left.
+      # What ClusterCoordinator's own stop does, less cancelling the functions in flight:
+      # cancelled here, each logs an error of TensorFlow's ("Remote function ... failed with
+      # CancelledError") and its executor one more at finalization. Waiting costs what they have
+      # left.
       with queue._queue_lock:  # pylint: disable=protected-access
         queue._should_process_closures = False  # pylint: disable=protected-access
         queue._closures_queued_condition.notify_all()  # pylint: disable=protected-access
