@@ -518,8 +518,9 @@ class _Job:
         shard_index=shard_index, day=cfg.day, repeat=True, shuffle_seed=cfg.seed,
         strict=cfg.strict_data, **self.data_kwargs))
 
-  def evaluate(self) -> dict:
-    """AUC and logloss on the eval split, with the current parameters copied to this process."""
+  def evaluate(self, checkpoint: Optional[str] = None) -> dict:
+    """AUC and logloss on the eval split, with the current parameters copied to this process
+    (through a snapshot), or with those of `checkpoint`, a checkpoint of this job's."""
     cfg = self.config
     if self._eval_model is None:
       # Outside the strategy: the same model, unsharded; a checkpoint of the sharded one
@@ -533,7 +534,8 @@ class _Job:
         feats.append(x)
         labels.append(y.numpy())
       self._eval_data = (feats, np.concatenate(labels) if labels else np.zeros(0))
-    path = self.checkpoint.write(os.path.join(self.config.model_dir, "eval_snapshot", "ckpt"))
+    path = checkpoint or self.checkpoint.write(
+        os.path.join(self.config.model_dir, "eval_snapshot", "ckpt"))
     tf.train.Checkpoint(model=self._eval_model).read(path).expect_partial()
     feats, labels = self._eval_data
     probs = np.concatenate([self._eval_model(x, training=False).numpy().ravel() for x in feats])
@@ -792,7 +794,7 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     handing_over = any(getattr(c, "skip_evaluation", False) for c in extra_callbacks)
     if not handing_over:
       final_export(job.model, config, stats["global_step"], saved)
-    evaluation = _NOT_EVALUATED if handing_over else final_evaluation(job.evaluate, saved)
+    evaluation = _NOT_EVALUATED if handing_over else final_evaluation(job.evaluate, saved, cluster)
     if shared is not None:
       # Only steps that trained a batch run the strategy's step and count on their worker;
       # the no-op reads at the end of the list do not.
@@ -859,11 +861,27 @@ def final_export(model, config: TrainConfig, global_step: int, saved: str) -> No
         "export the checkpoint.") from e
 
 
-def final_evaluation(evaluate, saved: str) -> dict:
+def final_evaluation(evaluate, saved: str, cluster=None) -> dict:
   """`evaluate()`, after the run's last checkpoint `saved` was written: a failure (a full disk
-  under the eval snapshot, an unreadable eval file) is one line that says the model is safe."""
+  under the eval snapshot, an unreadable eval file) is one line that says the model is safe.
+
+  A parameter server lost by then (the chaos drill killed one while the last checkpoint was
+  written: the command ended with exit 1 and a line asking to evaluate by hand) takes nothing
+  the evaluation needs: `saved` holds the model, and is evaluated instead, with one line."""
   try:
-    return evaluate()
+    try:
+      return evaluate()
+    except tf.errors.OpError as e:
+      try:
+        recovery.raise_if_lost(e, cluster, jobs=("ps",))
+      except recovery.ParameterServerLost:
+        dead = ", ".join(cluster.dead("ps")) if cluster is not None else ""
+        _log(f"tf_gba: {dead or 'a parameter server'} died after the run's last checkpoint; the "
+             f"final evaluation reads that checkpoint ({saved}) instead.")
+        return evaluate(checkpoint=saved)
+      except recovery.JobLost:
+        pass  # another server's trouble: the evaluation failed, as any other failure
+      raise
   except (OSError, ValueError, tf.errors.OpError) as e:
     raise recovery.AfterTrainingError(
         f"training finished and its checkpoint {saved} was written, but the final evaluation "
