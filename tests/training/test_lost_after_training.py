@@ -55,3 +55,15 @@ def test_a_parameter_server_lost_in_the_final_evaluation_evaluates_the_checkpoin
   assert (f"tf_gba: ps:0 died after the run's last checkpoint; the final evaluation reads that "
           f"checkpoint ({saved}) instead.") in out.out + out.err, out
   assert json.loads((tmp_path / "m" / recovery.PROGRESS_FILE).read_text())["finished"]
+
+  # A job that died after that checkpoint but before the run was recorded finished leaves this
+  # record: its restart resumes at the target, trains nothing and evaluates.
+  record = json.loads((tmp_path / "m" / recovery.PROGRESS_FILE).read_text())
+  record["finished"] = False
+  (tmp_path / "m" / recovery.PROGRESS_FILE).write_text(json.dumps(record))
+  resumed = runner.run_parameter_server(_config(tmp_path / "m"))
+  assert resumed["start_global_step"] == resumed["global_step"] == target, resumed
+  assert resumed["restarts"] == 1 and resumed["steps_redone"] == 0, resumed
+  assert resumed["checkpoint"] == saved and np.isfinite(resumed["eval_auc"]), resumed
+  assert "tf_gba: the run had trained to its target global step; evaluating it" in (
+      capsys.readouterr().out)

@@ -721,6 +721,12 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
                           min_entries=shared.entries_for(left))
       epochs = math.ceil(config.steps / epoch_steps(config)) if not (
           resume.resumed and resume.target_global_step <= start_step) else 0
+    if shared is not None and not epochs:
+      # Resumed at its target (the job died after its last checkpoint, before the run was
+      # recorded finished): nothing is left to train, and the data list's per-worker counters,
+      # which the first step creates, do not exist. The evaluation is what is left.
+      _log("tf_gba: the run had trained to its target global step; evaluating it")
+      job.shared_input = shared = None
     batches_reread = None
     if shared is not None and shared.batches_reread is not None:
       # Recorded now: a resumption that fails in turn still counts what it re-read.
