@@ -20,8 +20,6 @@ import threading
 import time
 import weakref
 
-# Names ClusterCoordinator gives its threads.
-_THREAD_PREFIXES = ("WorkerClosureProcessingLoop-", "WorkerPreemptionHandler")
 _JOIN_S = 5.0
 
 _coordinators = weakref.WeakSet()
@@ -45,6 +43,7 @@ def stop_all(join_s: float = _JOIN_S) -> int:
   up to `join_s` for them, then stops the failure handler; returns how many threads still run."""
   with _lock:
     coordinators = list(_coordinators)
+  clusters = []
   for coordinator in coordinators:
     try:
       cluster = coordinator._cluster  # pylint: disable=protected-access
@@ -60,21 +59,26 @@ def stop_all(join_s: float = _JOIN_S) -> int:
         worker.stop()
     except AttributeError:
       continue  # a coordinator without these internals: left to its own `__del__`, as before
+    clusters.append(cluster)
   deadline = time.monotonic() + join_s
-  _join(_threads(_THREAD_PREFIXES[0]), deadline)
-  for coordinator in coordinators:
-    handler = getattr(getattr(coordinator, "_cluster", None), "failure_handler", None)
-    if handler is not None:
-      handler.stop()
-  return _join(_threads(*_THREAD_PREFIXES), deadline)
+  still = _join([t for c in clusters for t in _worker_threads(c)], deadline)
+  handlers = [c.failure_handler for c in clusters]
+  for handler in handlers:
+    handler.stop()
+  return still + _join([getattr(h, "_preemption_handler_thread", None) for h in handlers],
+                       deadline)
 
 
-def _threads(*prefixes):
+def _worker_threads(cluster) -> list:
+  # The threads running these workers' loops (ClusterCoordinator keeps no list of them): only
+  # they are waited for, not another coordinator's of the same names, which nothing stopped.
+  workers = set(map(id, cluster.workers))
   return [t for t in threading.enumerate()
-          if t is not threading.current_thread() and t.name.startswith(prefixes)]
+          if id(getattr(getattr(t, "_target", None), "__self__", None)) in workers]
 
 
 def _join(threads, deadline: float) -> int:
+  threads = [t for t in threads if t is not None and t is not threading.current_thread()]
   for thread in threads:
     thread.join(max(0.0, deadline - time.monotonic()))
   return sum(t.is_alive() for t in threads)
