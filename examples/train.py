@@ -83,6 +83,10 @@ def define_flags() -> None:
                        "function run again after its worker failed skips the steps already "
                        "done); 1 with --input=sharded (a re-run trains its whole function again) "
                        "and in hop_bs and hop_bw, which refuse more than 1.")
+  flags.DEFINE_bool("pack_reads", True,
+                    "Parameter-server modes: a step reads the small dense variables of each "
+                    "parameter server as one tensor (one transfer per server; the same values and "
+                    "gradients). --nopack_reads: one transfer per variable.")
   flags.DEFINE_float("learning_rate", 0.001, "Adam learning rate (the same in every mode).")
   flags.DEFINE_integer("embedding_dim", 8, "Embedding width.")
   flags.DEFINE_enum("embedding", "vocab", ["vocab", "hash"],

@@ -346,32 +346,43 @@ def test_public_state_api_names_the_checkpoint_layout(tmp_path):
   assert GBA.buffer_index(GBA.buffer_key(7)) == 7 and GBA.buffer_index("token_generator") is None
 
 
-def test_dense_gradients_of_one_device_travel_as_one_tensor():
-  """The packing before the pushes: the dense gradients of one device's variables are split back
-  from one concatenated tensor (one transfer per device), with the values and shapes they had;
-  embedding gradients (IndexedSlices) and a lone dense gradient pass as they are."""
+def test_the_gradients_of_one_device_travel_as_one_tensor():
+  """The packing before the pushes: the dense gradients of one device's variables and one
+  embedding gradient (IndexedSlices) are split back from one concatenated tensor (one transfer
+  per device) with the values, ids and shapes they had, to the bit: ids whose bits read as NaN
+  or infinity in float32 included, int64 and int32; a second embedding gradient and a lone
+  dense gradient pass as they are."""
   from tf_gba.optimizers import gba as gba_lib  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   shapes = [[3, 2], [2], [4, 1, 2]]
   grads = [rng.normal(size=s).astype(np.float32) for s in shapes]
   variables = [tf.Variable(tf.zeros(s)) for s in shapes]
-  table = tf.Variable(tf.zeros([5, 2]))
-  rows = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([3], tf.int64), tf.constant([5, 2],
-                                                                                  tf.int64))
+  table, other_table = tf.Variable(tf.zeros([5, 2])), tf.Variable(tf.zeros([5, 2]))
+  # 0x7FC00001 and 0x7F800001FF: a quiet NaN's and an infinity's bits in a float32 word.
+  ids = np.array([2**40 + 5, 0x7FC00001, -1, 3, 0x7F800001FF], np.int64)
+  values = rng.normal(size=[5, 2]).astype(np.float32)
 
   @tf.function
-  def pack():
-    pairs = [(tf.constant(g), v) for g, v in zip(grads, variables)] + [(rows, table)]
+  def pack(id_dtype):
+    rows = tf.IndexedSlices(tf.constant(values), tf.constant(ids.astype(id_dtype)),
+                            tf.constant([5, 2], id_dtype))
+    second = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([3], id_dtype))
+    pairs = ([(tf.constant(g), v) for g, v in zip(grads, variables)] + [(rows, table)]
+             + [(second, other_table)])
     out = gba_lib._one_transfer_per_device(pairs)  # pylint: disable=protected-access
-    ops = {op.type for op in tf.compat.v1.get_default_graph().get_operations()}
-    return [g for g, _ in out[:3]], out[3][0], ("ConcatV2" in ops, "Split" in ops or
-                                                  "SplitV" in ops)
+    ops = [op.type for op in tf.compat.v1.get_default_graph().get_operations()]
+    return [g for g, _ in out[:3]], out[3][0], out[4][0], ops.count("ConcatV2"), (
+        ops.count("Split") + ops.count("SplitV"))
 
-  dense, sparse, (concatenated, split) = pack()
-  assert concatenated and split
-  for got, want in zip(dense, grads):
-    np.testing.assert_array_equal(got.numpy(), want)
-  assert isinstance(sparse, tf.IndexedSlices)
-  np.testing.assert_array_equal(sparse.indices.numpy(), [3])
+  for id_dtype in (np.int64, np.int32):
+    dense, sparse, second, concats, splits = pack(id_dtype)
+    assert (concats, splits) == (1, 1)
+    for got, want in zip(dense, grads):
+      np.testing.assert_array_equal(got.numpy(), want)
+    assert isinstance(sparse, tf.IndexedSlices) and sparse.indices.dtype == id_dtype
+    np.testing.assert_array_equal(sparse.indices.numpy(), ids.astype(id_dtype))
+    np.testing.assert_array_equal(sparse.values.numpy(), values)
+    np.testing.assert_array_equal(sparse.dense_shape.numpy(), [5, 2])
+    np.testing.assert_array_equal(second.indices.numpy(), [3])
   lone = gba_lib._one_transfer_per_device([(tf.constant(grads[0]), variables[0])])  # pylint: disable=protected-access
   assert lone[0][0].shape == (3, 2)

@@ -27,6 +27,7 @@ from tf_gba.common import keras_apply
 from tf_gba.distribute import coordinator_exit
 from tf_gba.distribute import function_times as function_times_lib
 from tf_gba.distribute import modes as modes_lib
+from tf_gba.distribute import packed_reads
 from tf_gba.distribute import step_context
 from tf_gba.distribute import steps_per_execution as steps_per_execution_lib
 from tf_gba.distribute import stragglers as stragglers_lib
@@ -102,6 +103,9 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
       coordinator's cost is per function (see `tf_gba.distribute.steps_per_execution`). Each step
       reads its own batch, takes its own token and pushes its own gradient; a worker that fails
       re-runs its whole function, so up to that many steps are trained again.
+    pack_reads: a step's dense reads of one parameter server's variables travel to the worker as
+      one tensor, where each would be a transfer of its own (default True; the values and
+      gradients are the same: see `tf_gba.distribute.packed_reads`). False: one per variable.
 
   The barriers of "hop_bs" and "hop_bw" block workers; at each `join()` of the coordinator (the
   end of `fit`, a checkpoint; a plain `fit` joins at every epoch's end) the workers still blocked
@@ -115,7 +119,7 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
                hop_bs_timeout_s: Optional[float] = None,
                hop_bw_backup: Optional[int] = None,
                straggler_delay: str = stragglers_lib.AFTER_PUSH,
-               steps_per_execution: Optional[int] = None):
+               steps_per_execution: Optional[int] = None, pack_reads: bool = True):
     if not callable(getattr(cluster_resolver, "cluster_spec", None)):
       raise TypeError(f"GBAStrategy needs a cluster resolver (e.g. LocalCluster(...).resolver() "
                       f"or tf.distribute.cluster_resolver.TFConfigClusterResolver()), got "
@@ -168,6 +172,12 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
         lambda value: modes_lib.check_steps_per_execution(
             mode, value, "compile(steps_per_execution)"))
     self._gba_steps_per_execution = steps_per_execution
+    if not isinstance(pack_reads, bool):
+      raise TypeError(f"GBAStrategy(pack_reads) must be True or False, got {pack_reads!r}.")
+    self._gba_reads = packed_reads.Registry() if pack_reads else None
+    if pack_reads:
+      self.extended._create_var_creator = packed_reads.packing_creator(  # pylint: disable=protected-access
+          self.extended._create_var_creator, self._gba_reads)  # pylint: disable=protected-access
     self._gba_mode = mode
     self._gba_num_workers = num_workers
     self._gba_num_ps = len(spec.job_tasks("ps"))
@@ -185,6 +195,8 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
     self._gba_pre_step_readers: Dict[str, Callable[[], Any]] = {}
     self._gba_uses_tokens = False
     keras_apply.add_check("gba_strategy", 0, _refuse_optimizers_that_bypass_the_buffers)
+    # An optimizer's update ends the step's packed reads: a read after it reads the variable.
+    keras_apply.add_check("packed_reads", -1, lambda optimizer, pairs: packed_reads.close())
 
   # ParameterServerStrategy keeps its ClusterCoordinator here; ClusterCoordinator(strategy)
   # stores itself on first use. Its join() is wrapped as it arrives so that blocked workers are
@@ -508,7 +520,8 @@ class GBAStrategy(tf.distribute.experimental.ParameterServerStrategy):
       if start is not None and self._gba_straggler_delay == stragglers_lib.BEFORE_PUSH:
         info.delay_before_push = lambda grads: self._delay_before_push(start, grads, delayed)
       deps = [t for t in tf.nest.flatten([info.token, info.reads]) if t is not None] + started
-      with step_context.scope(info), tf.control_dependencies(deps):
+      with step_context.scope(info), packed_reads.step_scope(self._gba_reads), \
+          tf.control_dependencies(deps):
         try:
           outputs = autograph.call_user_function(fn, *a, **kw)
         except ValueError as e:

@@ -24,6 +24,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from tf_gba.common import arguments
+from tf_gba.distribute import packed_reads
 from tf_gba.distribute import step_context
 from tf_gba.layers import hash_embedding
 from tf_gba.layers import hash_updates
@@ -65,26 +66,55 @@ class _GBAState(tf.Module):
 
 
 def _one_transfer_per_device(grads_and_vars) -> list:
-  """`grads_and_vars` with the dense gradients of each device's variables sent there together.
+  """`grads_and_vars` with the gradients of each device's variables sent there together.
 
   Each tensor a worker sends to a parameter server is a transfer of its own (an RPC the server
   serves); concatenated on the worker and split on the server, the dense gradients of one server
   are one transfer per step, where they were one per variable (the fusion Horovod and PyTorch DDP
-  do for all-reduce). The values are the same to the bit.
+  do for all-reduce). One sparse gradient per server (its embedding table's shard) rides along:
+  its rows and their ids, the ids' bits carried as float32 (`tf.bitcast`, exact), its number of
+  rows found on the server from the transfer's size. The values are the same to the bit.
   """
-  groups = collections.defaultdict(list)
+  dense = collections.defaultdict(list)
+  sparse = {}
   for i, (grad, var) in enumerate(grads_and_vars):
-    if not isinstance(grad, tf.IndexedSlices) and grad.shape.is_fully_defined():
-      groups[(var.device, grad.dtype)].append(i)
+    if isinstance(grad, tf.IndexedSlices):
+      if (grad.values.dtype == tf.float32 and grad.values.shape[1:].is_fully_defined()
+          and grad.indices.dtype in (tf.int32, tf.int64)):
+        sparse.setdefault((var.device, grad.values.dtype), i)
+    elif grad.shape.is_fully_defined():
+      dense[(var.device, grad.dtype)].append(i)
   out = list(grads_and_vars)
-  for (device, _), indices in groups.items():
-    if len(indices) < 2:
+  for key in set(dense) | set(sparse):
+    device = key[0]
+    indices = dense.get(key, [])
+    rows = sparse.get(key)
+    if len(indices) + (2 if rows is not None else 0) < 2:
       continue
     grads = [grads_and_vars[i][0] for i in indices]
-    packed = tf.concat([tf.reshape(g, [-1]) for g in grads], 0)
+    parts = [tf.reshape(g, [-1]) for g in grads]
+    if rows is not None:
+      slices = grads_and_vars[rows][0]
+      row_size = slices.values.shape[1:].num_elements()
+      id_size = 2 if slices.indices.dtype == tf.int64 else 1  # float32 words per id
+      parts += [tf.reshape(slices.values, [-1]),
+                tf.reshape(tf.bitcast(slices.indices, tf.float32), [-1])]
+    packed = tf.concat(parts, 0)
     with tf.device(device):
-      parts = tf.split(packed, [g.shape.num_elements() for g in grads])
-      for i, grad, part in zip(indices, grads, parts):
+      sizes = [g.shape.num_elements() for g in grads]
+      if rows is not None:
+        dense_size = sum(sizes)
+        n = (tf.size(packed) - dense_size) // (row_size + id_size)
+        pieces = tf.split(packed, tf.stack(sizes + [n * row_size, n * id_size]),
+                          num=len(sizes) + 2)
+        ids = tf.reshape(pieces[-1], [-1, id_size]) if id_size == 2 else pieces[-1]
+        out[rows] = (tf.IndexedSlices(
+            tf.reshape(pieces[-2], [-1] + slices.values.shape[1:].as_list()),
+            tf.bitcast(ids, slices.indices.dtype), slices.dense_shape), grads_and_vars[rows][1])
+        pieces = pieces[:-2]
+      else:
+        pieces = tf.split(packed, sizes)
+      for i, grad, part in zip(indices, grads, pieces):
         out[i] = (tf.reshape(part, grad.shape), grads_and_vars[i][1])
   return out
 
@@ -368,6 +398,7 @@ class GBA(wrapping.InnerOptimizerDelegation, keras.optimizers.Optimizer):
     """Pushes each gradient to its buffer; applies the inner update where a batch completes."""
     del skip_gradients_aggregation, kwargs  # one replica per worker: nothing to all-reduce
     self._check_strategy()
+    packed_reads.close()  # the step's reads after its updates read the variables themselves
     grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
     if not grads_and_vars:
       return self.iterations

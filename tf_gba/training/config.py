@@ -64,6 +64,8 @@ class TrainConfig:
   # Parameter-server modes: worker steps per scheduled function (None: the mode's default,
   # `scheduled_steps`).
   steps_per_execution: Optional[int] = None
+  # Parameter-server modes: a step's dense reads of one server's variables in one transfer.
+  pack_reads: bool = True
   learning_rate: float = 0.001
   embedding_dim: int = 8
   # "vocab" or "hash" (EMBEDDINGS): see examples/train.py --embedding.

@@ -57,9 +57,16 @@ class RerunLedger:
 
   def mark(self, number, steps_done) -> tf.Operation:
     """In the function, after a step's push: `steps_done` of `number`'s steps have run."""
+    # One transfer to the parameter server per step: slot, number and count as one tensor (each
+    # of the worker's tensors the update used travelled on its own), gathered there, not sliced
+    # (Grappler rewrites a slice of a stack into the stacked tensor, which then travels alone).
+    # The caller's control dependencies stay on the worker: `sent` carries them; on the server's
+    # ops each would be a transfer too.
     number = tf.cast(number, tf.int64)
-    row = tf.stack([number, tf.cast(steps_done, tf.int64)])[tf.newaxis]
-    return self._done.scatter_update(tf.IndexedSlices(row, (number % SLOTS)[tf.newaxis])).op
+    sent = tf.stack([number % SLOTS, number, tf.cast(steps_done, tf.int64)])
+    with tf.control_dependencies(None), tf.device(self._done.device):
+      return self._done.scatter_update(
+          tf.IndexedSlices(tf.gather(sent, [[1, 2]]), tf.gather(sent, [0]))).op
 
   def read(self, number) -> int:
     """Steps `number` completed, as recorded (-1: its slot holds another function's)."""

@@ -69,7 +69,8 @@ def make_strategy(config: TrainConfig, resolver) -> GBAStrategy:
                      bsp_aggregate=config.bsp_aggregate, hop_bs_bound=config.hop_bs_bound,
                      hop_bs_timeout_s=config.hop_bs_timeout_s,
                      hop_bw_backup=config.hop_bw_backup,
-                     straggler_delay=config.straggler_delay)
+                     straggler_delay=config.straggler_delay,
+                     pack_reads=config.pack_reads)
 
 
 @contextlib.contextmanager

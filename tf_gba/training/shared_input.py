@@ -179,60 +179,55 @@ class SharedInput:
     gradient and counting its batch; a run of the function after a worker failure skips the
     steps a previous run finished (`rerun_ledger`).
     """
-    from tf_keras.src.engine import training as keras_training  # pylint: disable=g-import-not-at-top
     strategy, counters = self.strategy, self.counters
 
     def one_step(iterator):
-      """One read: (outputs, batch id or -1, examples trained)."""
+      """One read: (a scalar done after the step, batch id or -1, examples trained)."""
       optional = iterator.get_next_as_optional()
 
       def trained():
         features, labels, batch_id = optional.get_value()
 
         def run_step(data):
-          outputs = model.train_step(data)
-          with tf.control_dependencies(keras_training._minimum_control_deps(outputs)):  # pylint: disable=protected-access
+          done = _train_step(model, data)
+          with tf.control_dependencies([done]):
             model._train_counter.assign_add(1)  # pylint: disable=protected-access
-          return outputs
+          return tf.identity(done)
 
-        outputs = strategy.run(run_step, args=((features, labels),))
-        with tf.control_dependencies(tf.nest.flatten(outputs)):
-          return (outputs, tf.cast(tf.identity(batch_id), tf.int64),
+        done = strategy.run(run_step, args=((features, labels),))
+        with tf.control_dependencies([done]):
+          return (tf.identity(done), tf.cast(tf.identity(batch_id), tf.int64),
                   tf.size(labels, out_type=tf.int64))
 
       def exhausted():
-        return (tf.nest.map_structure(tf.identity, model.get_metrics_result()),
-                tf.constant(-1, tf.int64), tf.constant(0, tf.int64))
+        return (tf.constant(0, tf.int64), tf.constant(-1, tf.int64), tf.constant(0, tf.int64))
 
       return tf.cond(optional.has_value(), trained, exhausted)
 
     ledger = self.ledger
-
-    def skipped():
-      """A step a previous run of this function already trained (see `rerun_ledger`)."""
-      return (tf.nest.map_structure(tf.identity, model.get_metrics_result()),
-              tf.constant(-2, tf.int64), tf.constant(0, tf.int64))
 
     def steps(iterator, num_steps, number):
       num_steps = tf.cast(num_steps, tf.int32)
       done = tf.cast(ledger.start(number), tf.int32)
       handles = counters.handles()
 
-      def counted(i, outputs, batch_id, examples):
+      def counted(i, step_done, batch_id, examples):
         recorded = counters.record_step(handles, batch_id, examples)
-        with tf.control_dependencies([recorded]):
-          # A skipped first step leaves the count where the previous run left it.
-          marked = ledger.mark(number, tf.maximum(i + 1, done))
+        with tf.control_dependencies([recorded, step_done]):
+          marked = ledger.mark(number, i + 1)
         with tf.control_dependencies([marked]):
-          return tf.nest.map_structure(tf.identity, outputs)
+          return tf.identity(step_done)
 
-      # The first step outside the loop: its outputs (the model's metrics, built by the first
-      # train step) give the loop's outputs their structure. Keras schedules >= 1 step.
-      outputs = counted(0, *tf.cond(done <= 0, lambda: one_step(iterator), skipped))
-      # One after another: each step's push is done (and recorded) before the next step reads.
-      for i in tf.range(tf.maximum(done, 1), num_steps):
-        outputs = counted(i, *one_step(iterator))
-      return outputs
+      # A run of `number` after a failed one starts after the steps that one recorded (see
+      # `rerun_ledger`). One after another: each step's push is done (and recorded) before the
+      # next step reads.
+      last = tf.constant(0, tf.int64)
+      for i in tf.range(done, num_steps):
+        last = counted(i, *one_step(iterator))
+      # The model's metrics once per function, not per step: each read is a transfer from the
+      # parameter server (two per step, and two more for the branch not taken).
+      with tf.control_dependencies([last]):
+        return tf.nest.map_structure(tf.identity, model.get_metrics_result())
 
     function = tf.function(steps, reduce_retracing=True)
 
@@ -368,6 +363,36 @@ class SharedInput:
       out["missed"] = None
       out.pop("missed_examples", None)
     return out
+
+
+def _train_step(model, data) -> tf.Tensor:
+  """`model.train_step(data)` without the metrics' results it returns; a scalar once it is done.
+
+  Keras' step ends by reading every metric's result, on the parameter servers, for logs that
+  only the function's last step gives to the coordinator; the function reads them once at its
+  end instead. A model with a `train_step` of its own runs it as it is.
+  """
+  if (type(model).train_step is not keras.Model.train_step
+      or type(model).compute_metrics is not keras.Model.compute_metrics):
+    return _done_after(model.train_step(data))
+  # As keras.Model.train_step (tf_keras 2.21), but compute_metrics' update only.
+  x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+  with tf.GradientTape() as tape:
+    y_pred = model(x, training=True)
+    loss = model.compute_loss(x, y, y_pred, sample_weight)
+  model._validate_target_and_loss(y, loss)  # pylint: disable=protected-access
+  applied = model.optimizer.minimize(loss, model.trainable_variables, tape=tape)
+  model.compiled_metrics.update_state(y, y_pred, sample_weight)
+  return _done_after(applied)
+
+
+def _done_after(outputs) -> tf.Tensor:
+  # Only tensors and ops: an optimizer may return its `iterations` variable, and reading it here
+  # would be one more transfer. The step's stateful ops run before the loop's next iteration
+  # whatever this depends on (the loop body's control outputs).
+  deps = [t for t in tf.nest.flatten(outputs) if isinstance(t, (tf.Tensor, tf.Operation))]
+  with tf.control_dependencies(deps):
+    return tf.constant(0, tf.int64)
 
 
 def _fail_scheduled_steps(coordinator, error: Exception) -> None:
