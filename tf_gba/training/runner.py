@@ -522,26 +522,31 @@ class _Job:
   def evaluate(self, checkpoint: Optional[str] = None) -> dict:
     """AUC and logloss on the eval split, with the current parameters copied to this process
     (through a snapshot), or with those of `checkpoint`, a checkpoint of this job's."""
+    path = checkpoint or self.checkpoint.write(
+        os.path.join(self.config.model_dir, "eval_snapshot", "ckpt"))
+    model = self.model_at(path)
+    if self._eval_data is None:
+      feats, labels = [], []
+      for x, y in eval_dataset(self.config, self.data_kwargs):
+        feats.append(x)
+        labels.append(y.numpy())
+      self._eval_data = (feats, np.concatenate(labels) if labels else np.zeros(0))
+    feats, labels = self._eval_data
+    probs = np.concatenate([model(x, training=False).numpy().ravel() for x in feats])
+    return {"auc": metrics.auc(labels, probs), "logloss": metrics.logloss(labels, probs),
+            "examples": int(len(labels))}
+
+  def model_at(self, checkpoint: str):
+    """The model in this process, outside the strategy (unsharded: a checkpoint of the sharded
+    one restores into it, TF saves sharded variables whole), with `checkpoint`'s parameters."""
     cfg = self.config
     if self._eval_model is None:
-      # Outside the strategy: the same model, unsharded; a checkpoint of the sharded one
-      # restores into it (TF saves sharded variables whole).
       self._eval_model = models_lib.build_model(cfg.model, self.info,
                                                 embedding_dim=cfg.embedding_dim, seed=cfg.seed,
                                                 embedding=cfg.embedding,
                                                 hash_options=cfg.hash_options())
-      feats, labels = [], []
-      for x, y in eval_dataset(cfg, self.data_kwargs):
-        feats.append(x)
-        labels.append(y.numpy())
-      self._eval_data = (feats, np.concatenate(labels) if labels else np.zeros(0))
-    path = checkpoint or self.checkpoint.write(
-        os.path.join(self.config.model_dir, "eval_snapshot", "ckpt"))
-    tf.train.Checkpoint(model=self._eval_model).read(path).expect_partial()
-    feats, labels = self._eval_data
-    probs = np.concatenate([self._eval_model(x, training=False).numpy().ravel() for x in feats])
-    return {"auc": metrics.auc(labels, probs), "logloss": metrics.logloss(labels, probs),
-            "examples": int(len(labels))}
+    tf.train.Checkpoint(model=self._eval_model).read(checkpoint).expect_partial()
+    return self._eval_model
 
 
 _NOT_EVALUATED = {"auc": float("nan"), "logloss": float("nan"), "examples": 0}
@@ -794,13 +799,13 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     saved = job.save_checkpoint()
     job.phase_unix["saved"] = time.time()
     # After the save, which evicts first: the tables as the checkpoint holds them.
-    tables = hash_tables.report(job.model, job.optimizer)
+    tables = _tables_after_training(job, cluster)
     recovery.report(config.model_dir, stats["global_step"], finished=True)
     # A callback that ended the run to hand over to another job (--mode=auto) skips the
     # evaluation and the export: the job that continues makes them.
     handing_over = any(getattr(c, "skip_evaluation", False) for c in extra_callbacks)
     if not handing_over:
-      final_export(job.model, config, stats["global_step"], saved)
+      final_export(job, config, stats["global_step"], saved)
     evaluation = _NOT_EVALUATED if handing_over else final_evaluation(job.evaluate, saved, cluster)
     if shared is not None:
       # Only steps that trained a batch run the strategy's step and count on their worker;
@@ -856,16 +861,47 @@ def _stop_on_signal(job: "_Job") -> None:
   raise interrupt.Interrupted(interrupt.requested(), saved, step)
 
 
-def final_export(model, config: TrainConfig, global_step: int, saved: str) -> None:
-  """The serving SavedModel (`--export_dir`), after the run's last checkpoint `saved`: a failure
-  (a full disk, an unwritable directory) is one line that says the model is safe."""
+def final_export(job: "_Job", config: TrainConfig, global_step: int, saved: str) -> None:
+  """The serving SavedModel (`--export_dir`) of the run's last checkpoint `saved`, read into this
+  process: the export needs no server of the job, so a parameter server lost after that
+  checkpoint costs it nothing. A failure (a full disk, an unwritable directory) is one line that
+  says the model is safe."""
+  if export_lib.export_dir(config.model_dir, config.export_dir) is None:
+    return
   try:
-    export_lib.export_after_run(model, config, global_step)
+    export_lib.export_after_run(job.model_at(saved), config, global_step)
   except (OSError, ValueError, tf.errors.OpError) as e:
     raise recovery.AfterTrainingError(
         f"training finished and its checkpoint {saved} was written, but the serving export "
         f"failed: {preflight.first_line(e)[:300]}. Fix that (or pass --export_dir= for none) and "
         "export the checkpoint.") from e
+
+
+def _lost_after_training(error: Exception, cluster) -> Optional[str]:
+  """The parameter servers `error` says are gone (a dead local server, or an unreachable one
+  named in it), as "ps:0, ..."; None where it is another failure."""
+  try:
+    recovery.raise_if_lost(error, cluster, jobs=("ps",))
+  except recovery.ParameterServerLost:
+    dead = ", ".join(cluster.dead("ps")) if cluster is not None else ""
+    return dead or "a parameter server"
+  except recovery.JobLost:
+    pass  # another server's trouble
+  return None
+
+
+def _tables_after_training(job: "_Job", cluster) -> dict:
+  """The hash tables' sizes for the summary (`hash_tables.report`), read from the servers; {}
+  with one line where a parameter server died after the run's last checkpoint."""
+  try:
+    return hash_tables.report(job.model, job.optimizer)
+  except tf.errors.OpError as e:
+    dead = _lost_after_training(e, cluster)
+    if dead is None:
+      raise
+    _log(f"tf_gba: {dead} died after the run's last checkpoint; the summary has no hash table "
+         "sizes (the checkpoint holds the tables).")
+    return {}
 
 
 def final_evaluation(evaluate, saved: str, cluster=None) -> dict:
@@ -879,16 +915,12 @@ def final_evaluation(evaluate, saved: str, cluster=None) -> dict:
     try:
       return evaluate()
     except tf.errors.OpError as e:
-      try:
-        recovery.raise_if_lost(e, cluster, jobs=("ps",))
-      except recovery.ParameterServerLost:
-        dead = ", ".join(cluster.dead("ps")) if cluster is not None else ""
-        _log(f"tf_gba: {dead or 'a parameter server'} died after the run's last checkpoint; the "
-             f"final evaluation reads that checkpoint ({saved}) instead.")
-        return evaluate(checkpoint=saved)
-      except recovery.JobLost:
-        pass  # another server's trouble: the evaluation failed, as any other failure
-      raise
+      dead = _lost_after_training(e, cluster)
+      if dead is None:
+        raise  # the evaluation failed, as any other failure
+      _log(f"tf_gba: {dead} died after the run's last checkpoint; the final evaluation reads "
+           f"that checkpoint ({saved}) instead.")
+      return evaluate(checkpoint=saved)
   except (OSError, ValueError, tf.errors.OpError) as e:
     raise recovery.AfterTrainingError(
         f"training finished and its checkpoint {saved} was written, but the final evaluation "
