@@ -93,11 +93,12 @@ SHORT = (
     dict(kind="loss", at=320, loss_pct=3.0, duration_s=10.0),
 )
 SHORT_STEPS, SHORT_CHECKPOINT_EVERY, SHORT_STALL_LIMIT_S = 1600, 100, 15.0
-# Undisturbed speed measured here (gba, 2 workers, local batch 64, 10 steps per function, the
-# quiet 2-core machine): about 60 worker steps a second (22 at one step per function on a shared
-# machine); a run of --duration_s gets this many steps per second of it, so that the faults'
-# restarts and stalls fill the rest.
-STEPS_PER_SECOND = 40
+# Undisturbed speed measured here (gba, 2 workers, local batch 64, the binary's defaults, the
+# quiet 2-core machine): about 134 worker steps a second (24,000 in 179 s; 60 before the step's
+# transfers were cut, 22 at one step per function on a shared machine). Under the 20 faults of
+# a drill the same run took 429 s, about 56 a second: a run of --duration_s gets this many steps
+# per second of it, so that the faults' restarts and stalls fill the rest.
+STEPS_PER_SECOND = 60
 # Faults after which the job restarts (or the command is rerun); a worker or a tf.data worker is
 # restarted in place, and a network fault may or may not restart it.
 _RESTARTS = ("kill_ps", "kill_job", "kill_coordinator", "sigterm", "double", "during_recovery",

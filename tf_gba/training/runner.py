@@ -460,14 +460,22 @@ class _Job:
     run's last one is full."""
     if self.pipeline is not None:
       self.pipeline.settle()
+    # A periodic checkpoint reads the workers' counters as a progress line does, waiting for each
+    # only so long: a worker whose link stalled (its functions done, so nothing above waited
+    # for it) is worked around, its position of the last checkpoint kept; read without a bound,
+    # the coordinator waited out the stall, and no worker trained meanwhile. The run's last
+    # checkpoint waits for every worker's counts.
+    positions = self.read_workers() if periodic else self.strategy.worker_step_stats()
+    answered = not any(w.get("no_answer") for w in positions)
     seen = None
-    if self.shared_input is not None and getattr(self, "data_position", None) is not None:
+    if (self.shared_input is not None and getattr(self, "data_position", None) is not None
+        and answered):
       seen = self.shared_input.seen_total()
-      # Unreadable while a worker restarts: the position saved last stays, behind the model, so
-      # a resumption trains some batches again rather than skipping any.
+      # Unreadable while a worker restarts (or not answering, above): the position saved last
+      # stays, behind the model, so a resumption trains some batches again rather than skipping
+      # any.
       if seen is not None:
         self.data_position.seen.assign(seen)
-    positions = self.strategy.worker_step_stats()
     if all(w["position_step"] is not None for w in positions):
       self.straggler_position.steps.assign([w["position_step"] for w in positions])
       self.straggler_position.elapsed_ns.assign([w["position_elapsed_ns"] for w in positions])
