@@ -27,8 +27,9 @@ carry that table whole (at most `MAX_ELEMENTS`); later traces leave it out.
 
 A pack serves a step's reads until the step updates what it holds: `close()` at the entry of
 `apply_gradients` (tf_gba's optimizers, and tf_keras' through `keras_apply`), and any `assign*`
-of a variable a pack may hold, end it, so a read after an update reads the variable itself. Reads in another graph than the
-step's (a `tf.cond` branch, a loop's body inside the step) are plain reads.
+of a variable a pack may hold, end it, so a read after an update reads the variable itself.
+Reads in another graph than the step's (a `tf.cond` branch, a loop's body inside the step) are
+plain reads.
 """
 
 import contextlib

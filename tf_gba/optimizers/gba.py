@@ -85,7 +85,8 @@ def _one_transfer_per_device(grads_and_vars) -> list:
     elif grad.shape.is_fully_defined():
       dense[(var.device, grad.dtype)].append(i)
   out = list(grads_and_vars)
-  for key in set(dense) | set(sparse):
+  # In the order the gradients came: a set's order would differ from process to process.
+  for key in dict.fromkeys([*dense, *sparse]):
     device = key[0]
     indices = dense.get(key, [])
     rows = sparse.get(key)
