@@ -60,7 +60,7 @@ def _rows(rows=ROWS):
 def _setup(tmp_path, cluster, input_mode, rows=ROWS, steps_per_execution=1, **config):
   """GBA on the id model, `steps_per_execution` worker steps per scheduled function; `config`
   overrides TrainConfig fields (default steps: one pass of the shared list, two passes of the
-  static shards)."""
+  static shards). `mode="async"`: a plain Adam."""
   fields = dict(mode="gba", num_workers=WORKERS, local_batch_size=BATCH, log_every=LOG_EVERY,
                 stragglers=STRAGGLERS, input=input_mode, model_dir=str(tmp_path),
                 steps=None if input_mode == "shared" else 2 * math.ceil(rows / BATCH))
@@ -69,7 +69,9 @@ def _setup(tmp_path, cluster, input_mode, rows=ROWS, steps_per_execution=1, **co
   strategy = runner.make_strategy(cfg, cluster.resolver())
   with strategy.scope():
     model = _IdModel(rows)
-    optimizer = GBA(keras.optimizers.Adam(0.01), num_aggregate=WORKERS)
+    optimizer = keras.optimizers.Adam(0.01)
+    if cfg.mode == "gba":
+      optimizer = GBA(optimizer, num_aggregate=WORKERS)
     model.compile(optimizer, loss=keras.losses.BinaryCrossentropy(),
                   steps_per_execution=steps_per_execution)
     model(_rows(rows)[0])  # builds the variables (what fit would do lazily)
@@ -209,16 +211,19 @@ def test_config_input_and_steps():
 # A killed tf.data worker is drilled through the binary: tests/test_fault_drills.py.
 
 
-def test_a_function_run_again_skips_the_steps_its_first_run_finished(tmp_path):
+@pytest.mark.parametrize("mode", ["gba", "async"])
+def test_a_function_run_again_skips_the_steps_its_first_run_finished(tmp_path, mode):
   """ParameterServerStrategy runs a function again, with the same arguments, when its worker
   fails. The ledger on the parameter server says how many of the function's steps are done: set
   here as a failed run would have left it (function 0: 3 of its 4 steps trained; function 1:
   all 4), the functions scheduled train only the steps left, each reading, pushing and counting
-  one batch; function 2, never run before, trains all 4."""
+  one batch; function 2, never run before, trains all 4. Each step's mark rides with GBA's
+  gradients; with a plain optimizer (async) it is sent on its own."""
   rows = 16 * 48
   with LocalCluster(num_ps=1, num_workers=WORKERS, num_tfdata_workers=1) as cluster:
     cfg, strategy, model, optimizer = _setup(tmp_path, cluster, "shared", rows=rows, steps=24,
-                                             stragglers="none", steps_per_execution=4)
+                                             stragglers="none", steps_per_execution=4,
+                                             mode=mode)
     shared = shared_input.SharedInput(cfg, strategy, cluster.tfdata_dispatcher, {},
                                       rows=_rows(rows))
     shared.install_train_function(model)
@@ -231,7 +236,8 @@ def test_a_function_run_again_skips_the_steps_its_first_run_finished(tmp_path):
     shared.coordinator.join()
     hits = model.hits.numpy()
     report = shared.report()
-    tokens = int(optimizer._token_source().count().numpy())  # pylint: disable=protected-access
+    tokens = (int(optimizer._token_source().count().numpy())  # pylint: disable=protected-access
+              if mode == "gba" else int(optimizer.iterations.numpy()))
     done = [shared.ledger.read(n) for n in range(4)]
 
   trained = (4 - 3) + (4 - 4) + 4

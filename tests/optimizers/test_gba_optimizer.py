@@ -369,7 +369,7 @@ def test_the_gradients_of_one_device_travel_as_one_tensor():
     second = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([3], id_dtype))
     pairs = ([(tf.constant(g), v) for g, v in zip(grads, variables)] + [(rows, table)]
              + [(second, other_table)])
-    out = gba_lib._one_transfer_per_device(pairs)  # pylint: disable=protected-access
+    out, _ = gba_lib._one_transfer_per_device(pairs)  # pylint: disable=protected-access
     ops = [op.type for op in tf.compat.v1.get_default_graph().get_operations()]
     return [g for g, _ in out[:3]], out[3][0], out[4][0], ops.count("ConcatV2"), (
         ops.count("Split") + ops.count("SplitV"))
@@ -384,5 +384,5 @@ def test_the_gradients_of_one_device_travel_as_one_tensor():
     np.testing.assert_array_equal(sparse.values.numpy(), values)
     np.testing.assert_array_equal(sparse.dense_shape.numpy(), [5, 2])
     np.testing.assert_array_equal(second.indices.numpy(), [3])
-  lone = gba_lib._one_transfer_per_device([(tf.constant(grads[0]), variables[0])])  # pylint: disable=protected-access
+  lone, _ = gba_lib._one_transfer_per_device([(tf.constant(grads[0]), variables[0])])  # pylint: disable=protected-access
   assert lone[0][0].shape == (3, 2)

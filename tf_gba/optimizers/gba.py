@@ -65,7 +65,7 @@ class _GBAState(tf.Module):
   """Checkpointed GBA state: buffers (step, row tags) and the token count."""
 
 
-def _one_transfer_per_device(grads_and_vars) -> list:
+def _one_transfer_per_device(grads_and_vars, info=None) -> tuple:
   """`grads_and_vars` with the gradients of each device's variables sent there together.
 
   Each tensor a worker sends to a parameter server is a transfer of its own (an RPC the server
@@ -73,7 +73,10 @@ def _one_transfer_per_device(grads_and_vars) -> list:
   are one transfer per step, where they were one per variable (the fusion Horovod and PyTorch DDP
   do for all-reduce). One sparse gradient per server (its embedding table's shard) rides along:
   its rows and their ids, the ids' bits carried as float32 (`tf.bitcast`, exact), its number of
-  rows found on the server from the transfer's size. The values are the same to the bit.
+  rows found on the server from the transfer's size. So do the step's riders for that server
+  (`step_context.ride`, taken from `info`; one that waits for the pushes only where every
+  gradient goes to that server), returned with their values there. The values are the same to
+  the bit.
   """
   dense = collections.defaultdict(list)
   sparse = {}
@@ -81,19 +84,26 @@ def _one_transfer_per_device(grads_and_vars) -> list:
     if isinstance(grad, tf.IndexedSlices):
       if (grad.values.dtype == tf.float32 and grad.values.shape[1:].is_fully_defined()
           and grad.indices.dtype in (tf.int32, tf.int64)):
-        sparse.setdefault((var.device, grad.values.dtype), i)
+        sparse.setdefault((step_context.same_device(var.device), grad.values.dtype), i)
     elif grad.shape.is_fully_defined():
-      dense[(var.device, grad.dtype)].append(i)
+      dense[(step_context.same_device(var.device), grad.dtype)].append(i)
+  riders = collections.defaultdict(list)
+  devices = {key[0] for key in [*dense, *sparse]}
+  for rider in (info.riders if info is not None else []):
+    if rider.values.shape.is_fully_defined() and (not rider.after_pushes or len(devices) == 1):
+      riders[(rider.device, tf.float32)].append(rider)
+  arrived = []
   out = list(grads_and_vars)
   # In the order the gradients came: a set's order would differ from process to process.
   for key in dict.fromkeys([*dense, *sparse]):
     device = key[0]
     indices = dense.get(key, [])
     rows = sparse.get(key)
-    if len(indices) + (2 if rows is not None else 0) < 2:
+    riding = riders.get(key, [])
+    if len(indices) + (2 if rows is not None else 0) + len(riding) < 2:
       continue
     grads = [grads_and_vars[i][0] for i in indices]
-    parts = [tf.reshape(g, [-1]) for g in grads]
+    parts = [tf.reshape(g, [-1]) for g in grads] + [tf.reshape(r.values, [-1]) for r in riding]
     if rows is not None:
       slices = grads_and_vars[rows][0]
       row_size = slices.values.shape[1:].num_elements()
@@ -102,10 +112,10 @@ def _one_transfer_per_device(grads_and_vars) -> list:
                 tf.reshape(tf.bitcast(slices.indices, tf.float32), [-1])]
     packed = tf.concat(parts, 0)
     with tf.device(device):
-      sizes = [g.shape.num_elements() for g in grads]
+      sizes = [g.shape.num_elements() for g in grads] + [r.values.shape.num_elements()
+                                                         for r in riding]
       if rows is not None:
-        dense_size = sum(sizes)
-        n = (tf.size(packed) - dense_size) // (row_size + id_size)
+        n = (tf.size(packed) - sum(sizes)) // (row_size + id_size)
         pieces = tf.split(packed, tf.stack(sizes + [n * row_size, n * id_size]),
                           num=len(sizes) + 2)
         ids = tf.reshape(pieces[-1], [-1, id_size]) if id_size == 2 else pieces[-1]
@@ -117,7 +127,10 @@ def _one_transfer_per_device(grads_and_vars) -> list:
         pieces = tf.split(packed, sizes)
       for i, grad, part in zip(indices, grads, pieces):
         out[i] = (tf.reshape(part, grad.shape), grads_and_vars[i][1])
-  return out
+    for rider, part in zip(riding, pieces[len(indices):]):
+      info.riders.remove(rider)
+      arrived.append((rider, part))
+  return out, arrived
 
 
 def _after(deps: List[tf.Tensor], grad):
@@ -418,8 +431,8 @@ class GBA(wrapping.InnerOptimizerDelegation, keras.optimizers.Optimizer):
                if info is not None and info.delay_before_push is not None else [])
       leader_ready = None
       readies = []
-      grads_and_vars = _one_transfer_per_device(
-          [(_after(slept, grad), var) for grad, var in grads_and_vars])
+      grads_and_vars, arrived = _one_transfer_per_device(
+          [(_after(slept, grad), var) for grad, var in grads_and_vars], info)
       for grad, var in grads_and_vars:
         if skip is None:
           ready = self._push_and_maybe_apply(token, ticket, grad, var)
@@ -431,6 +444,14 @@ class GBA(wrapping.InnerOptimizerDelegation, keras.optimizers.Optimizer):
         readies.append(ready)
         if leader_ready is None:
           leader_ready = ready
+      if info is not None:
+        info.pushed = list(readies)
+      for rider, there in arrived:
+        # After the pushes on its own server only: a server cannot wait on another.
+        on_device = [r for r, (_, var) in zip(readies, grads_and_vars)
+                     if step_context.same_device(var.device) == rider.device]
+        with tf.control_dependencies(on_device if rider.after_pushes else []):
+          step_context.send(rider, there)
       if skip is not None:
         # Hop-BW: how many buffers this push completed, known once their updates ran (its
         # barrier moves the version on when every buffer has completed it).

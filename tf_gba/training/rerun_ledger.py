@@ -6,9 +6,12 @@ running it fails, with the same arguments. A function of k worker steps (`--step
 whose worker died after j of them had pushed their gradients would train those j again: j more
 tokens, j more gradients, j more batches, past the run's target (k = 20: the fault drills trained
 10-14 global steps past `--steps`). Each function is scheduled with a number of its own; after
-each step it records on a parameter server (which outlives the worker) how many of its steps are
-done, and a run of the same number starts after them. A worker that dies between a step's push
-and that record leaves one step to be trained again, as a failed one-step function does.
+each step's push it records on a parameter server (which outlives the worker) how many of its
+steps are done, and a run of the same number starts after them. The record rides with the step's
+gradients and is written on the server right after their pushes (`ride_mark`), so a worker that
+dies once it has sent them loses nothing; one that dies between a push and a record it sends on
+its own (gradients on more than one server, or an optimizer that packs none) leaves one step to
+be trained again, as a failed one-step function does.
 
 Numbers are kept in `SLOTS` slots (number modulo SLOTS, with the number itself, so a slot reused
 by a later function is not mistaken for this one's): a re-run whose slot was reused since runs
@@ -20,6 +23,8 @@ import itertools
 import threading
 
 import tensorflow as tf
+
+from tf_gba.distribute import step_context
 
 SLOTS = 4096
 
@@ -62,11 +67,31 @@ class RerunLedger:
     # (Grappler rewrites a slice of a stack into the stacked tensor, which then travels alone).
     # The caller's control dependencies stay on the worker: `sent` carries them; on the server's
     # ops each would be a transfer too.
-    number = tf.cast(number, tf.int64)
-    sent = tf.stack([number % SLOTS, number, tf.cast(steps_done, tf.int64)])
+    sent = self._row(number, steps_done)
     with tf.control_dependencies(None), tf.device(self._done.device):
-      return self._done.scatter_update(
-          tf.IndexedSlices(tf.gather(sent, [[1, 2]]), tf.gather(sent, [0]))).op
+      return self._write(sent)
+
+  def ride_mark(self, number, steps_done) -> None:
+    """In the step (inside the strategy's `run`): marks it done once its gradients are pushed.
+
+    The mark rides with the step's gradients where the optimizer packs them (GBA, every gradient
+    to the ledger's server), and is written there after the pushes: no transfer of its own, and
+    none back. Otherwise it is sent on its own once the optimizer's pushes are done.
+    """
+    row = tf.reshape(tf.bitcast(self._row(number, steps_done), tf.float32), [-1])
+    step_context.ride(self._done.device, row,
+                      lambda there: self._write(tf.bitcast(tf.reshape(there, [3, 2]), tf.int64)),
+                      after_pushes=True)
+
+  @staticmethod
+  def _row(number, steps_done) -> tf.Tensor:
+    number = tf.cast(number, tf.int64)
+    return tf.stack([number % SLOTS, number, tf.cast(steps_done, tf.int64)])
+
+  def _write(self, sent) -> tf.Operation:
+    """On the ledger's server: `sent` (slot, number, steps done) into its slot."""
+    return self._done.scatter_update(
+        tf.IndexedSlices(tf.gather(sent, [[1, 2]]), tf.gather(sent, [0]))).op
 
   def read(self, number) -> int:
     """Steps `number` completed, as recorded (-1: its slot holds another function's)."""

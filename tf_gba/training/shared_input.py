@@ -5,9 +5,9 @@ strategy:
 
 * its `dataset_fn` reads `(features, label, batch_id)` from the list's tf.data service job;
 * its train function (installed on the model) reads with `get_next_as_optional()`: a batch is
-  trained on and counted (`DayCounters`); an empty read (the list is exhausted) is a no-op step
-  that marks the worker exhausted and does not run the strategy's step at all, so it neither
-  takes a GBA token nor pushes a gradient nor moves the optimizer;
+  trained on and counted (`DayCounters`); an empty read (the list is exhausted) ends the
+  function's steps and marks the worker exhausted without running the strategy's step, so it
+  neither takes a GBA token nor pushes a gradient nor moves the optimizer;
 * its callback stops `fit` at the end of a logging interval once every worker has seen the end,
   so the batches each worker's service client had fetched are all trained on (or once the
   workers that have not are all blocked at a Hop-BS or Hop-BW barrier that only the others
@@ -33,6 +33,7 @@ import tf_keras as keras
 from tf_gba.data import data_list as data_list_lib
 from tf_gba.training import pipelining
 from tf_gba.training import rerun_ledger
+from tf_gba.training import riding_metrics
 
 # Above what the longest step (a straggler at 4x on a loaded machine, a Hop-BS barrier timeout)
 # takes, well below what a user would wait before killing a hung job.
@@ -181,52 +182,64 @@ class SharedInput:
     """
     strategy, counters = self.strategy, self.counters
 
-    def one_step(iterator):
-      """One read: (a scalar done after the step, batch id or -1, examples trained)."""
-      optional = iterator.get_next_as_optional()
-
-      def trained():
-        features, labels, batch_id = optional.get_value()
-
-        def run_step(data):
-          done = _train_step(model, data)
-          with tf.control_dependencies([done]):
-            model._train_counter.assign_add(1)  # pylint: disable=protected-access
-          return tf.identity(done)
-
-        done = strategy.run(run_step, args=((features, labels),))
-        with tf.control_dependencies([done]):
-          return (tf.identity(done), tf.cast(tf.identity(batch_id), tf.int64),
-                  tf.size(labels, out_type=tf.int64))
-
-      def exhausted():
-        return (tf.constant(0, tf.int64), tf.constant(-1, tf.int64), tf.constant(0, tf.int64))
-
-      return tf.cond(optional.has_value(), trained, exhausted)
-
     ledger = self.ledger
+
+    def run_step(data, number, steps_done):
+      ledger.ride_mark(number, steps_done)
+      done = _train_step(model, data)
+      with tf.control_dependencies([done]):
+        model._train_counter.assign_add(1)  # pylint: disable=protected-access
+      return tf.identity(done)
+
+    def trained(optional, number, steps_done):
+      """One step on a read batch: (a scalar done after the step, its batch id, examples)."""
+      features, labels, batch_id = optional.get_value()
+      done = strategy.run(run_step, args=((features, labels), number, steps_done))
+      with tf.control_dependencies([done]):
+        return (tf.identity(done), tf.cast(tf.identity(batch_id), tf.int64),
+                tf.size(labels, out_type=tf.int64))
+
+    def read_if(wanted, iterator, after=()):
+      # A read only where a step will train it: a batch taken from the list is a batch trained.
+      # Neither branch has an op on a parameter server, so the condition stays on the worker.
+      with tf.control_dependencies(after):
+        return tf.cond(wanted, iterator.get_next_as_optional,
+                       lambda: tf.experimental.Optional.empty(iterator.element_spec))
 
     def steps(iterator, num_steps, number):
       num_steps = tf.cast(num_steps, tf.int32)
       done = tf.cast(ledger.start(number), tf.int32)
       handles = counters.handles()
 
-      def counted(i, step_done, batch_id, examples):
-        recorded = counters.record_step(handles, batch_id, examples)
-        with tf.control_dependencies([recorded, step_done]):
-          marked = ledger.mark(number, i + 1)
-        with tf.control_dependencies([marked]):
-          return tf.identity(step_done)
-
       # A run of `number` after a failed one starts after the steps that one recorded (see
       # `rerun_ledger`). One after another: each step's push is done (and recorded) before the
-      # next step reads.
-      last = tf.constant(0, tf.int64)
-      for i in tf.range(done, num_steps):
-        last = counted(i, *one_step(iterator))
-      # The model's metrics once per function, not per step: each read is a transfer from the
-      # parameter server (two per step, and two more for the branch not taken).
+      # next step reads. The loop ends at `num_steps` or at the first read that finds the list
+      # exhausted: a step of a function is a step of the loop only where it trains, since each
+      # `tf.cond` around a step on the parameter servers sends its condition there and its
+      # branch's end back, two transfers per step.
+      def more(i, optional, last):
+        del last
+        return tf.logical_and(i < num_steps, optional.has_value())
+
+      def step(i, optional, last):
+        del last
+        # The step marks itself done in the ledger once its gradients are pushed.
+        step_done, batch_id, examples = trained(optional, number, i + 1)
+        recorded = counters.record_step(handles, batch_id, examples)
+        with tf.control_dependencies([recorded, step_done]):
+          last = tf.identity(step_done)
+        return i + 1, read_if(i + 1 < num_steps, iterator, after=[last]), last
+
+      i, _, last = tf.while_loop(
+          more, step, (done, read_if(done < num_steps, iterator), tf.constant(0, tf.int64)))
+      # A loop ended by an empty read marks the worker as having seen the end (-1); one that ran
+      # its steps counts nothing more (-2).
       with tf.control_dependencies([last]):
+        ended = counters.record_step(handles, tf.where(i < num_steps, -1, -2),
+                                     tf.constant(0, tf.int64))
+      # The model's metrics once per function, not per step: each read is a transfer from the
+      # parameter server.
+      with tf.control_dependencies([last, ended]):
         return tf.nest.map_structure(tf.identity, model.get_metrics_result())
 
     function = tf.function(steps, reduce_retracing=True)
@@ -370,7 +383,8 @@ def _train_step(model, data) -> tf.Tensor:
 
   Keras' step ends by reading every metric's result, on the parameter servers, for logs that
   only the function's last step gives to the coordinator; the function reads them once at its
-  end instead. A model with a `train_step` of its own runs it as it is.
+  end instead. The loss tracker's adds ride with the step's gradients (`riding_metrics`). A
+  model with a `train_step` of its own runs it as it is.
   """
   if (type(model).train_step is not keras.Model.train_step
       or type(model).compute_metrics is not keras.Model.compute_metrics):
@@ -379,7 +393,14 @@ def _train_step(model, data) -> tf.Tensor:
   x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
   with tf.GradientTape() as tape:
     y_pred = model(x, training=True)
-    loss = model.compute_loss(x, y, y_pred, sample_weight)
+    if type(model).compute_loss is keras.Model.compute_loss:
+      # Its metrics exist once it is built, which its first call does (as it does there).
+      if not model.compiled_loss._built:  # pylint: disable=protected-access
+        model.compiled_loss.build(y_pred)
+      with riding_metrics.adds_ride(model.compiled_loss.metrics):
+        loss = model.compute_loss(x, y, y_pred, sample_weight)
+    else:
+      loss = model.compute_loss(x, y, y_pred, sample_weight)
   model._validate_target_and_loss(y, loss)  # pylint: disable=protected-access
   applied = model.optimizer.minimize(loss, model.trainable_variables, tape=tape)
   model.compiled_metrics.update_state(y, y_pred, sample_weight)
