@@ -1,6 +1,6 @@
 """How many workers one coordinator and P parameter servers of c cores drive, by simulation.
 
-  python -m benchmarks.sim_capacity [--costs=before,after_k1,...,fewer_transfers_k50 (COSTS)]
+  python -m benchmarks.sim_capacity [--costs=before,after_k1,...,riders_k50 (COSTS)]
                                     [--num_ps=1,2,4,8] [--ps_cores=1,4,16] [--fraction=0.9] [--stragglers=paper]
                                     [--steps=200] [--max_workers=65536] [--out=...] [--dry_run]
 
@@ -62,6 +62,13 @@ COSTS: Dict[str, dict] = {
     "fewer_transfers_k50": dict(coord_ms_per_closure=3.39, coord_ms_per_step=0.11,
                                 steps_per_execution=50, ps_push_ms=1.19, ps_apply_ms=3.919,
                                 ps_ms_per_closure=3.39),
+    # With 8 transfers per step (the step loop without a tf.cond per step, the loss tracker's adds
+    # and the rerun ledger's mark in the gradient transfer; N = 4, one run each at k = 1 and 50),
+    # and the aggregation's ops measured again on a quiet machine (benchmarks.ps_service: 0.496
+    # ms; the 3.919 above was measured at a load average of 16): the coordinator 3.52 ms per
+    # closure + 0.14 per step, the PS 1.73 per push + 2.73 per closure.
+    "riders_k50": dict(coord_ms_per_closure=3.52, coord_ms_per_step=0.14, steps_per_execution=50,
+                       ps_push_ms=1.73, ps_apply_ms=0.496, ps_ms_per_closure=2.73),
 }
 
 
