@@ -85,6 +85,24 @@ def test_no_long_function_means_the_coordinator_itself_was_held_up():
   assert "worker:0 made 4 of them; worked around it" in said[3]
 
 
+def test_a_checkpoint_that_held_the_coordinator_is_said_as_such():
+  # The short chaos drill: worker:1's link stalled 12 s as a checkpoint began; its save (traced
+  # and registered with every server at each checkpoint) waited for the link, with no function
+  # of any worker running. The coordinator spent 11 s of the interval's lost 10 in checkpoints.
+  watch = slow_interval.SlowIntervalWatch(waits_for_every_worker=False)
+  said = [watch.interval(t, s, e, f, c) for t, s, e, f, c in
+          [line + (0.1,) for line in _USUAL] + [(14, 120, [60, 60], [0.5, 0.4], 11.0)]]
+  assert said[3].endswith("no worker's function took long (at most 0.5 s): a checkpoint held the "
+                          "coordinator 11 s (its save is registered with every server, which "
+                          "waits for a stalled link, a worker's or a server's); waited for it "
+                          "(--stall_timeout_s restarts the job past a limit).")
+  # A checkpoint of its usual length explains nothing: the coordinator itself was held up.
+  watch = slow_interval.SlowIntervalWatch(waits_for_every_worker=False)
+  said = [watch.interval(t, s, e, f, 0.2) for t, s, e, f in _USUAL + [(14, 120, [60, 60],
+                                                                      [0.5, 0.4])]]
+  assert "the coordinator was held up (a checkpoint" in said[3]
+
+
 def test_a_worker_that_does_not_answer_is_said_once_and_again_when_it_answers():
   silent = slow_interval.SilentWorkers()
   assert silent.update(100.0, [], [0.2, 0.3], 500) == []

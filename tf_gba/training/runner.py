@@ -208,7 +208,8 @@ class _Progress(keras.callbacks.Callback):
         return
       self._last_line = steps
       said = self._slow.interval(time.time(), steps, [w["steps"] for w in workers],
-                                 job.strategy.function_seconds())
+                                 job.strategy.function_seconds(), job.checkpoint_seconds)
+      job.checkpoint_seconds = 0.0
       # An interval in which a worker did not answer: `SilentWorkers` says what happened.
       if said and not self._silent.silent:
         _log(said)  # beside the progress lines: what the job did, not an error
@@ -292,7 +293,9 @@ class PeriodicCheckpoint(keras.callbacks.Callback):
     if steps >= self._job.total_steps:
       return  # the run's last checkpoint follows
     if self._schedule.due(steps):
+      began = time.time()
       self.saved.append(self._job.save_checkpoint(periodic=True))
+      self._job.checkpoint_seconds += time.time() - began
       self._schedule.written(steps)
 
 
@@ -375,6 +378,9 @@ class _Job:
     # A progress line reads the workers' counters waiting for each only so long: a worker whose
     # link stalled is worked around, not waited for (`read_workers`).
     self._calls = bounded_calls.BoundedCalls(slow_interval.NO_ANSWER_S)
+    # Seconds spent writing periodic checkpoints since the last progress line (a slow interval's
+    # line says when one held the coordinator).
+    self.checkpoint_seconds = 0.0
 
   def read_workers(self) -> List[dict]:
     """The workers' step counters, each waited for up to `slow_interval.NO_ANSWER_S`: one that

@@ -49,9 +49,11 @@ class SlowIntervalWatch:
     self._last = None  # (time, steps, per-worker steps) at the last line
 
   def interval(self, now: float, steps: int, per_worker: Optional[Sequence[int]] = None,
-               function_s: Optional[Sequence[float]] = None) -> Optional[str]:
+               function_s: Optional[Sequence[float]] = None,
+               checkpoint_s: float = 0.0) -> Optional[str]:
     """`steps`: worker steps finished so far; `per_worker`: each worker's (None: not known);
-    `function_s`: each worker's longest function since the last line (None: not known)."""
+    `function_s`: each worker's longest function since the last line (None: not known);
+    `checkpoint_s`: the seconds the coordinator spent writing checkpoints since the last line."""
     last, self._last = self._last, (now, steps, list(per_worker) if per_worker else None)
     if last is None or steps <= last[1]:
       return None
@@ -83,6 +85,13 @@ class SlowIntervalWatch:
       slow = sum(made_each[i] for i in behind)
       return (f"{head}: {names} made {slow} of them; worked around it: the other workers made "
               "the rest (its late gradients are judged by their staleness).")
+    if held == [] and checkpoint_s >= HELD_SHARE * lost:
+      # TensorFlow traces each checkpoint's save anew where the variables span several servers
+      # and registers it with every server, which waits for a stalled link (docs/fault_tolerance.md).
+      return (f"{head}: no worker's function took long (at most {max(function_s):.1f} s): a "
+              f"checkpoint held the coordinator {checkpoint_s:.0f} s (its save is registered with "
+              "every server, which waits for a stalled link, a worker's or a server's); waited "
+              "for it (--stall_timeout_s restarts the job past a limit).")
     if held == []:
       return (f"{head}: no worker's function took long (at most {max(function_s):.1f} s): the "
               "coordinator was held up (a checkpoint, a read of the servers, a busy machine); "
