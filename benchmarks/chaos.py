@@ -725,6 +725,7 @@ def undisturbed(args, seed: int, steps: int, out_dir: str) -> dict:
     s = json.load(f)
   out = {"seed": seed, "rc": rc, "wall_s": time.time() - start, "auc": s["eval_auc"],
          "global_step": s["global_step"]}
+  os.makedirs(out_dir, exist_ok=True)  # a fresh clone has no runs/ yet
   with open(path, "w") as f:
     json.dump(out, f)
   return out
