@@ -85,17 +85,18 @@ class SlowIntervalWatch:
       slow = sum(made_each[i] for i in behind)
       return (f"{head}: {names} made {slow} of them; worked around it: the other workers made "
               "the rest (its late gradients are judged by their staleness).")
-    if held == [] and checkpoint_s >= HELD_SHARE * lost:
-      # TensorFlow traces each checkpoint's save anew where the variables span several servers
-      # and registers it with every server, which waits for a stalled link (docs/fault_tolerance.md).
-      return (f"{head}: no worker's function took long (at most {max(function_s):.1f} s): a "
-              f"checkpoint held the coordinator {checkpoint_s:.0f} s (its save is registered with "
-              "every server, which waits for a stalled link, a worker's or a server's); waited "
-              "for it (--stall_timeout_s restarts the job past a limit).")
     if held == []:
-      return (f"{head}: no worker's function took long (at most {max(function_s):.1f} s): the "
-              "coordinator was held up (a checkpoint, a read of the servers, a busy machine); "
-              "waited for it (--stall_timeout_s restarts the job past a limit).")
+      if checkpoint_s >= HELD_SHARE * lost:
+        # TensorFlow traces each checkpoint's save anew where the variables span several
+        # servers and registers it with every server, which waits for a stalled link
+        # (docs/fault_tolerance.md).
+        cause = (f"a checkpoint held the coordinator {checkpoint_s:.0f} s (its save is registered "
+                 "with every server, which waits for a stalled link, a worker's or a server's)")
+      else:
+        cause = ("the coordinator was held up (a checkpoint, a read of the servers, a busy "
+                 "machine)")
+      return (f"{head}: no worker's function took long (at most {max(function_s):.1f} s): "
+              f"{cause}; waited for it (--stall_timeout_s restarts the job past a limit).")
     took = ""
     if held:
       lo, hi = f"{min(function_s):.0f}", f"{max(function_s):.0f}"
