@@ -110,6 +110,8 @@ _RESTARTS = ("kill_ps", "kill_job", "kill_coordinator", "sigterm", "double", "du
 # How tf_gba.training.slow_interval's lines begin (not imported: the drill runs without TF): a
 # slow interval's, and a worker's that did not answer a progress line (`SilentWorkers`).
 _SLOW_INTERVAL = "tf_gba: the last "
+# tf_gba.training.save_watch's line: a periodic save held past its limit ended the job.
+_SAVE_HELD = "tf_gba: a checkpoint save has waited"
 _SILENT_WORKER = re.compile(r"^tf_gba: worker:\d+ (did not answer in|answers again after) ")
 _CLEAN_EXITS = (0, 75, 143, -signal.SIGKILL)
 _PROGRESS = re.compile(r"^step (\d+)/\d+\s+global step (\d+)")
@@ -462,6 +464,16 @@ class Drill:
     rec["t_end"] = round(time.time() - self.t0, 1)
     return rec
 
+  def _restarted_in_place(self, rec: dict) -> bool:
+    """Only servers the local cluster starts again in place were killed (a parameter-server
+    mode's workers and tf.data workers): the job goes on, and no restart of it comes to wait
+    for. (A hash run's `double` of a tf.data worker and a worker waited 120 s for one, while the
+    job trained on: the faults due meanwhile came late, and six came after the run's end.)"""
+    if "--mode=sync" in self.cmd:
+      return False  # a sync worker's loss ends the command
+    killed = re.findall(r"SIG[A-Z]+ (\S+) \(pid", " ".join(rec["did"]))
+    return bool(killed) and all(re.fullmatch(r"(tfdata_)?worker:\d+", k) for k in killed)
+
   def _fresh(self, target, old) -> bool:
     if target == "job":
       pid = process_tree.job_process(self.proc.pid)
@@ -541,10 +553,10 @@ class Drill:
               and (e.startswith(_SLOW_INTERVAL) or " did not answer in " in e)]
     if restarted:
       # Why, in the job's own first line after the stall began (Stalled past --stall_timeout_s,
-      # a lost server, sync's lost peer).
+      # a save held past its limit, a lost server, sync's lost peer).
       with self.lock:
-        cause = next((e for t, e in self.events if t > start and e.startswith("train.py:")),
-                     restarted[0])
+        cause = next((e for t, e in self.events if t > start and (
+            e.startswith("train.py:") or e.startswith(_SAVE_HELD))), restarted[0])
       return f"restarted from the last checkpoint ({cause})"
     if said:
       verdict = "worked around" if "worked around" in said[0] else "waited for"
@@ -568,7 +580,7 @@ class Drill:
       rec = self.inject(f)
       # What followed: the job's reaction (a line of its own, or two progress lines: it went on),
       # then until it trains again (or its end).
-      if f.kind in _RESTARTS:
+      if f.kind in _RESTARTS and not self._restarted_in_place(rec):
         # Until the job's restart (or the command's rerun) is under way: it may print a progress
         # line or two before it notices.
         self.wait(120, lambda: any(("restarting the job" in e or e.startswith("drill:"))

@@ -154,7 +154,10 @@ def define_flags() -> None:
                       "host:port of the tf.data dispatcher (python -m tf_gba.distribute.server "
                       "--job_name=tfdata_dispatcher --port=PORT).")
   flags.DEFINE_float("stall_timeout_s", 120.0, "--input=shared: a day whose steps make no "
-                     "progress this long ends, reporting the batches not trained on.")
+                     "progress this long ends, reporting the batches not trained on; a run of "
+                     "--steps restarts from its last checkpoint, as after a periodic checkpoint "
+                     "save held this long (and 4x the run's longest save) by a server that does "
+                     "not answer.")
   flags.DEFINE_float("cluster_wait_s", 600.0, "On a real cluster (TF_CONFIG): how long the chief "
                      "waits for its parameter servers and workers to accept connections (it "
                      "names those it waits for every few seconds) before giving up.")

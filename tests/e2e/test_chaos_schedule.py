@@ -75,3 +75,19 @@ def test_exactly_once_holds_the_counts_to_the_pushes_within_a_restarted_workers_
   # Counted more than pushed: counted twice.
   assert not _exactly_once(dict(counted, batches=5582, uncounted_by_restarted_workers=-2,
                                 workers_restarted_in_run=1))["ok"]
+
+
+def test_a_kill_of_servers_restarted_in_place_waits_for_no_restart_of_the_job():
+  # The workers and tf.data workers of a parameter-server job come back in place: the drill goes
+  # on at the job's next progress lines. Anything else killed (a server whose loss restarts the
+  # job, the job, the command; any sync worker) is followed by a restart to wait for.
+  def in_place(mode, *did):
+    drill = types.SimpleNamespace(cmd=["train.py", f"--mode={mode}"])
+    return chaos.Drill._restarted_in_place(drill, {"did": list(did)})  # pylint: disable=protected-access
+  assert in_place("gba", "SIGKILL tfdata_worker:0 (pid 22609)", "+2.2 s: SIGKILL worker:0 (pid 7)")
+  assert in_place("gba", "SIGKILL worker:1 (pid 5)")
+  assert not in_place("gba", "SIGKILL tfdata_dispatcher:0 (pid 3)", "+1.0 s: SIGKILL worker:0 (pid 7)")
+  assert not in_place("gba", "SIGKILL worker:1 (pid 5)", "+2.0 s: SIGKILL ps:0 (pid 6)")
+  assert not in_place("gba", "SIGKILL job (pid 1687)", "+3.0 s: SIGKILL coordinator (pid 32510)")
+  assert not in_place("gba", "no worker to kill")
+  assert not in_place("sync", "SIGKILL worker:0 (pid 22334)")

@@ -284,7 +284,9 @@ def begin(model_dir: str, mode: str, steps: int, start_global_step: int,
                      "batches_reread": int(prev.get("batches_reread", 0))
                                        if progress.resumed else 0,
                      "restart_causes": progress.restart_causes,
-                     "server_restarts": progress.server_restarts})
+                     "server_restarts": progress.server_restarts,
+                     **({"longest_save_s": prev["longest_save_s"]}
+                        if progress.resumed and "longest_save_s" in prev else {})})
   return progress
 
 
@@ -319,6 +321,22 @@ def add_batches_reread(model_dir: str, batches: int) -> int:
   record["batches_reread"] = int(record.get("batches_reread", 0)) + int(batches)
   _write(model_dir, record)
   return record["batches_reread"]
+
+
+def record_save_seconds(model_dir: str, seconds: float) -> None:
+  """Keeps the run's longest periodic checkpoint save, over its resumptions (`save_watch`)."""
+  record = read(model_dir)
+  if record is None or seconds <= float(record.get("longest_save_s", 0.0)):
+    return
+  record["longest_save_s"] = float(seconds)
+  _write(model_dir, record)
+
+
+def longest_save_seconds(model_dir: str) -> Optional[float]:
+  """The run's longest periodic checkpoint save so far, or None before its first."""
+  record = read(model_dir)
+  return None if record is None or "longest_save_s" not in record else float(
+      record["longest_save_s"])
 
 
 def report(model_dir: str, global_step: int, finished: bool = False) -> None:

@@ -43,6 +43,7 @@ from tf_gba.training import pipelining
 from tf_gba.training import preflight
 from tf_gba.training import recovery
 from tf_gba.training import resharding
+from tf_gba.training import save_watch
 from tf_gba.training import slow_interval
 from tf_gba.training import summary as summary_lib
 from tf_gba.training.config import TrainConfig
@@ -278,7 +279,8 @@ class PeriodicCheckpoint(keras.callbacks.Callback):
   A checkpoint waits for every step scheduled, a stalled worker's too: a progress line does not
   wait for a worker that does not answer (`_Job.read_workers`), but the checkpoint after it
   does, so that no fault loses more than one checkpoint interval; past --stall_timeout_s the
-  job restarts from the last one (`shared_input.SharedInput.watch`).
+  job restarts from the last one (`shared_input.SharedInput.watch`), and so does a save held by
+  a stalled link past its limit (`save_watch`).
   """
 
   def __init__(self, job: "_Job"):
@@ -294,7 +296,12 @@ class PeriodicCheckpoint(keras.callbacks.Callback):
       return  # the run's last checkpoint follows
     if self._schedule.due(steps):
       began = time.time()
-      self.saved.append(self._job.save_checkpoint(periodic=True))
+      if self._job.pipeline is not None:
+        # The steps still running first: the stall watchdog watches those; the save's own
+        # calls after them, `save_watch`.
+        self._job.pipeline.settle()
+      with save_watch.watched(self._job.config.model_dir, self._job.config.stall_timeout_s):
+        self.saved.append(self._job.save_checkpoint(periodic=True))
       self._job.checkpoint_seconds += time.time() - began
       self._schedule.written(steps)
 
