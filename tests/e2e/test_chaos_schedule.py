@@ -83,10 +83,12 @@ def test_a_kill_of_servers_restarted_in_place_waits_for_no_restart_of_the_job():
   # job, the job, the command; any sync worker) is followed by a restart to wait for.
   def in_place(mode, *did):
     drill = types.SimpleNamespace(cmd=["train.py", f"--mode={mode}"])
-    return chaos.Drill._restarted_in_place(drill, {"did": list(did)})  # pylint: disable=protected-access
+    in_place_of = chaos.Drill._restarted_in_place  # pylint: disable=protected-access
+    return in_place_of(drill, {"did": list(did)})
   assert in_place("gba", "SIGKILL tfdata_worker:0 (pid 22609)", "+2.2 s: SIGKILL worker:0 (pid 7)")
   assert in_place("gba", "SIGKILL worker:1 (pid 5)")
-  assert not in_place("gba", "SIGKILL tfdata_dispatcher:0 (pid 3)", "+1.0 s: SIGKILL worker:0 (pid 7)")
+  assert not in_place("gba", "SIGKILL tfdata_dispatcher:0 (pid 3)",
+                      "+1.0 s: SIGKILL worker:0 (pid 7)")
   assert not in_place("gba", "SIGKILL worker:1 (pid 5)", "+2.0 s: SIGKILL ps:0 (pid 6)")
   assert not in_place("gba", "SIGKILL job (pid 1687)", "+3.0 s: SIGKILL coordinator (pid 32510)")
   assert not in_place("gba", "no worker to kill")

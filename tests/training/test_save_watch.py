@@ -80,4 +80,5 @@ def test_the_longest_save_is_kept_over_resumptions_and_not_into_a_new_run(tmp_pa
 
 def test_the_chaos_drill_reads_the_line_as_the_restart_s_cause():
   from benchmarks import chaos  # pylint: disable=g-import-not-at-top
-  assert ("tf_gba: " + save_watch.stalled_message(20.0)).startswith(chaos._SAVE_HELD)  # pylint: disable=protected-access
+  prefix = chaos._SAVE_HELD  # pylint: disable=protected-access
+  assert ("tf_gba: " + save_watch.stalled_message(20.0)).startswith(prefix)
