@@ -306,6 +306,9 @@ class LocalCluster:
           pending.discard(name)
           continue
         if proc.poll() is not None:
+          # Read again: a server that wrote its error and exited after the read above left it
+          # out (a port conflict then read as another failure, and no new start was tried).
+          log = self.log(name)
           error = (_PortTaken if name.split(":")[0] in ("ps", "worker") and PORT_TAKEN in log
                    else RuntimeError)
           raise error(f"Server {name} exited with code {proc.returncode} while starting. "
