@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import time
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 from absl import logging as absl_logging
 import numpy as np
@@ -667,6 +667,100 @@ def _wait_for_unreadable_workers(job: "_Job", limit_s: float) -> List[dict]:
   return stats
 
 
+class _Start(NamedTuple):
+  """Where a parameter-server run starts (`_set_up`)."""
+  job: "_Job"  # its config is that of what is left to train
+  resume: recovery.Progress
+  start_step: int  # the global step restored
+  epochs: int  # to train; 0 for a run resumed at its target
+  batches_reread: Optional[int]  # over the run's resumptions, where the data list counts them
+
+
+def _set_up(config: TrainConfig, strategy, cluster, cluster_up_unix: float) -> _Start:
+  """The parameter-server run's job: built and restored, its data list (if any) taken up at the
+  checkpoint's position, and its place in the run (`recovery.begin`): a resumed run goes on to
+  the target of the run it resumes."""
+  job = _Job(config, strategy)
+  # When the servers were up and when the model was built and restored, and (below) when the
+  # final checkpoint began and was written: --mode=auto's account of a switch.
+  job.phase_unix = {"started": cluster_up_unix, "restored": time.time()}
+  # After the restore: a checkpoint of unknown origin that did not fit has raised by now.
+  preflight.write_metadata(config)
+  shared = None
+  if config.uses_data_list:
+    from tf_gba.training import shared_input  # pylint: disable=g-import-not-at-top
+    shared = shared_input.SharedInput(config, strategy, _dispatcher_address(config, cluster),
+                                      job.data_kwargs)
+    shared.install_train_function(job.model)
+    job.shared_input = shared
+    job.track_data_position(shared)
+  start_step = int(job.optimizer.iterations.numpy())
+  _log(f"tf_gba: mode={config.mode} model={config.model} data={config.data} "
+       f"ps={strategy.num_ps} workers={strategy.num_workers} M={config.num_aggregate} "
+       f"local batch={config.local_batch_size} global batch={config.global_batch} "
+       f"stragglers={config.stragglers}"
+       + (f" (delay {config.straggler_delay})" if config.stragglers != "none" else "")
+       + f" input={config.input}"
+       + (f" ({shared.num_batches} batches in the list, "
+          + ("one pass)" if shared.day_mode else f"{shared.list.passes} pass(es))")
+          if shared else "")
+       + (f" restored from {job.restored_from} (global step {start_step})"
+          if job.restored_from else ""))
+  # Where the run ends, in global steps; a rerun after a failure goes on to the same target.
+  m = config.num_aggregate
+  day_mode = shared is not None and shared.day_mode
+  if day_mode:
+    # One pass over the day: as many global steps as the list has batches, over M.
+    resume = recovery.begin(config.model_dir, config.mode, None, start_step,
+                            target_if_new=start_step + math.ceil(shared.num_batches / m))
+    if resume.resumed:
+      # The checkpoint's data position: the day goes on with the batches it had not trained.
+      position = job.restored_data_position(shared)
+      last = recovery.read_seen(config.model_dir)
+      shared.resume(position if position is not None
+                    else np.zeros([shared.num_batches], np.int64),
+                    last_recorded=last if last is not None and
+                    last.shape == (shared.num_batches,) else None)
+      _log(f"tf_gba: resuming an interrupted day (restart {resume.restarts}) from global step "
+           f"{start_step}: {len(shared.list.batch_order)} of the day's {shared.num_batches} "
+           f"batches left to train ({shared.batches_reread} trained after the checkpoint are "
+           "trained again)")
+    epochs = math.ceil(shared.max_steps / epoch_steps(config))
+  else:
+    run_steps = math.ceil(config.steps / epoch_steps(config)) * epoch_steps(config)
+    resume = recovery.begin(config.model_dir, config.mode, config.steps, start_step,
+                            target_if_new=start_step + run_steps // m)
+    if resume.resumed:
+      left = max(0, resume.target_global_step - start_step) * m
+      _log(f"tf_gba: resuming an interrupted run (restart {resume.restarts}): global step "
+           f"{start_step} of {resume.target_global_step}, {left} worker steps left, "
+           f"{resume.steps_redone} global steps redone so far")
+      job.config = config = dataclasses.replace(config, steps=max(left, 1))
+      if shared is not None:
+        shared.config = config
+        # The list taken up at the pass and position of the checkpoint (see
+        # DataList.skip_trained), with passes added if the steps left need them.
+        position = job.restored_data_position(shared)
+        if position is not None:
+          last = recovery.read_seen(config.model_dir)
+          shared.resume(position, last_recorded=last if last is not None and
+                        last.shape == position.shape else None,
+                        min_entries=shared.entries_for(left))
+    epochs = math.ceil(config.steps / epoch_steps(config)) if not (
+        resume.resumed and resume.target_global_step <= start_step) else 0
+  if shared is not None and not epochs:
+    # Resumed at its target (the job died after its last checkpoint, before the run was
+    # recorded finished): nothing is left to train, and the data list's per-worker counters,
+    # which the first step creates, do not exist. The evaluation is what is left.
+    _log("tf_gba: the run had trained to its target global step; evaluating it")
+    job.shared_input = shared = None
+  batches_reread = None
+  if shared is not None and shared.batches_reread is not None:
+    # Recorded now: a resumption that fails in turn still counts what it re-read.
+    batches_reread = recovery.add_batches_reread(config.model_dir, shared.batches_reread)
+  return _Start(job, resume, start_step, epochs, batches_reread)
+
+
 def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
   """A parameter-server mode's run: GBAStrategy, model.fit; writes and prints the summary.
 
@@ -683,84 +777,9 @@ def run_parameter_server(config: TrainConfig, callbacks=()) -> dict:
     # job's loss too (the chaos drill: ps:0 killed while a restarted job created the rerun
     # ledger's variable ended the command with exit 1, UnavailableError).
     with _restart_if_lost(cluster, config.model_dir):
-      job = _Job(config, strategy)
-      # When the servers were up and when the model was built and restored, and (below) when the
-      # final checkpoint began and was written: --mode=auto's account of a switch.
-      job.phase_unix = {"started": cluster_up_unix, "restored": time.time()}
-      # After the restore: a checkpoint of unknown origin that did not fit has raised by now.
-      preflight.write_metadata(config)
-      shared = None
-      if config.uses_data_list:
-        from tf_gba.training import shared_input  # pylint: disable=g-import-not-at-top
-        shared = shared_input.SharedInput(config, strategy, _dispatcher_address(config, cluster),
-                                          job.data_kwargs)
-        shared.install_train_function(job.model)
-        job.shared_input = shared
-        job.track_data_position(shared)
-      start_step = int(job.optimizer.iterations.numpy())
-      _log(f"tf_gba: mode={config.mode} model={config.model} data={config.data} "
-           f"ps={strategy.num_ps} workers={strategy.num_workers} M={config.num_aggregate} "
-           f"local batch={config.local_batch_size} global batch={config.global_batch} "
-           f"stragglers={config.stragglers}"
-           + (f" (delay {config.straggler_delay})" if config.stragglers != "none" else "")
-           + f" input={config.input}"
-           + (f" ({shared.num_batches} batches in the list, "
-              + ("one pass)" if shared.day_mode else f"{shared.list.passes} pass(es))")
-              if shared else "")
-           + (f" restored from {job.restored_from} (global step {start_step})"
-              if job.restored_from else ""))
-      # Where the run ends, in global steps; a rerun after a failure goes on to the same target.
-      m = config.num_aggregate
-      day_mode = shared is not None and shared.day_mode
-      if day_mode:
-        # One pass over the day: as many global steps as the list has batches, over M.
-        resume = recovery.begin(config.model_dir, config.mode, None, start_step,
-                                target_if_new=start_step + math.ceil(shared.num_batches / m))
-        if resume.resumed:
-          # The checkpoint's data position: the day goes on with the batches it had not trained.
-          position = job.restored_data_position(shared)
-          last = recovery.read_seen(config.model_dir)
-          shared.resume(position if position is not None
-                        else np.zeros([shared.num_batches], np.int64),
-                        last_recorded=last if last is not None and
-                        last.shape == (shared.num_batches,) else None)
-          _log(f"tf_gba: resuming an interrupted day (restart {resume.restarts}) from global step "
-               f"{start_step}: {len(shared.list.batch_order)} of the day's {shared.num_batches} "
-               f"batches left to train ({shared.batches_reread} trained after the checkpoint are "
-               "trained again)")
-        epochs = math.ceil(shared.max_steps / epoch_steps(config))
-      else:
-        run_steps = math.ceil(config.steps / epoch_steps(config)) * epoch_steps(config)
-        resume = recovery.begin(config.model_dir, config.mode, config.steps, start_step,
-                                target_if_new=start_step + run_steps // m)
-        if resume.resumed:
-          left = max(0, resume.target_global_step - start_step) * m
-          _log(f"tf_gba: resuming an interrupted run (restart {resume.restarts}): global step "
-               f"{start_step} of {resume.target_global_step}, {left} worker steps left, "
-               f"{resume.steps_redone} global steps redone so far")
-          job.config = config = dataclasses.replace(config, steps=max(left, 1))
-          if shared is not None:
-            shared.config = config
-            # The list taken up at the pass and position of the checkpoint (see
-            # DataList.skip_trained), with passes added if the steps left need them.
-            position = job.restored_data_position(shared)
-            if position is not None:
-              last = recovery.read_seen(config.model_dir)
-              shared.resume(position, last_recorded=last if last is not None and
-                            last.shape == position.shape else None,
-                            min_entries=shared.entries_for(left))
-        epochs = math.ceil(config.steps / epoch_steps(config)) if not (
-            resume.resumed and resume.target_global_step <= start_step) else 0
-      if shared is not None and not epochs:
-        # Resumed at its target (the job died after its last checkpoint, before the run was
-        # recorded finished): nothing is left to train, and the data list's per-worker counters,
-        # which the first step creates, do not exist. The evaluation is what is left.
-        _log("tf_gba: the run had trained to its target global step; evaluating it")
-        job.shared_input = shared = None
-      batches_reread = None
-      if shared is not None and shared.batches_reread is not None:
-        # Recorded now: a resumption that fails in turn still counts what it re-read.
-        batches_reread = recovery.add_batches_reread(config.model_dir, shared.batches_reread)
+      job, resume, start_step, epochs, batches_reread = _set_up(config, strategy, cluster,
+                                                                cluster_up_unix)
+    config, shared, m = job.config, job.shared_input, config.num_aggregate
     progress = _Progress(job)
     extra_callbacks, callbacks = list(callbacks), [progress]
     periodic = None
