@@ -20,6 +20,8 @@ from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
 import numpy as np
 
+from tf_gba.common import exiting
+
 T = TypeVar("T")
 
 # Exit code of a run that lost a parameter server: the job can go on from its last checkpoint
@@ -300,6 +302,16 @@ def record_failure(model_dir: str, cause) -> None:
   name = cause if isinstance(cause, str) else type(cause).__name__
   record["restart_causes"] = list(record.get("restart_causes", [])) + [name]
   _write(model_dir, record)
+
+
+def end_for_restart(model_dir: str, error: JobLost,
+                    exit_now: Callable[[int], None] = exiting.exit_now) -> None:
+  """Ends the job from a thread that watches it (a lost server no call reported, a save held
+  past its limit): one line, the cause recorded for the resumed run's summary, and exit
+  EXIT_RESTART, which the binary's supervisor restarts."""
+  print(f"tf_gba: {error}", file=sys.stderr, flush=True)
+  record_failure(model_dir, error)
+  exit_now(EXIT_RESTART)
 
 
 def record_server_restarts(model_dir: str, restarts: Dict[str, int]) -> None:

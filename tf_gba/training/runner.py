@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import sys
 import threading
 import time
 from typing import List, NamedTuple, Optional
@@ -134,9 +133,7 @@ def watch_servers(cluster, stop: threading.Event, model_dir: str,
             f"{', '.join(dead)} (the shared data list's tf.data dispatcher) died; the list's "
             "position in the day is lost with it. Rerun the same command to resume from the last "
             "checkpoint in model_dir.")
-      print(f"tf_gba: {error}", file=sys.stderr, flush=True)
-      recovery.record_failure(model_dir, error)
-      exit_now(recovery.EXIT_RESTART)
+      recovery.end_for_restart(model_dir, error, exit_now)
       return
 
 

@@ -17,7 +17,6 @@ first save also traces its function).
 """
 
 import contextlib
-import sys
 import threading
 import time
 from typing import Callable, Iterator, Optional
@@ -56,10 +55,7 @@ def watched(model_dir: str, stall_timeout_s: float,
   def expire():
     if done.wait(limit_s):
       return
-    error = recovery.Stalled(stalled_message(limit_s))
-    print(f"tf_gba: {error}", file=sys.stderr, flush=True)
-    recovery.record_failure(model_dir, error)
-    exit_now(recovery.EXIT_RESTART)
+    recovery.end_for_restart(model_dir, recovery.Stalled(stalled_message(limit_s)), exit_now)
 
   began = time.time()
   threading.Thread(target=expire, daemon=True, name="save_watchdog").start()
